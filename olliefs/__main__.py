@@ -1,0 +1,5 @@
+import sys
+
+from olliefs.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""Message history and token accounting of one agent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from olliefs.backend.base import Message, Usage
+
+
+@dataclass
+class Totals:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    requests: int = 0
+    cached_input_tokens: int = 0
+    cache_creation_tokens: int = 0
+    estimated: bool = False  # some request reported no usage and was estimated
+    session_cost: float = 0.0
+    last_turn_cost: float = 0.0
+    last_context_tokens: int = 0  # input + output of the latest request
+
+    def add(self, usage: Usage, cost: float, estimated: bool) -> None:
+        self.input_tokens += usage.input_tokens
+        self.output_tokens += usage.output_tokens
+        self.cached_input_tokens += usage.cached_input_tokens
+        self.cache_creation_tokens += usage.cache_creation_tokens
+        self.requests += 1
+        self.estimated = self.estimated or estimated
+        self.session_cost += cost
+        self.last_context_tokens = usage.input_tokens + usage.output_tokens
+
+    def usage_text(self) -> str:
+        est = " [estimated]" if self.estimated else ""
+        return (
+            f"{self.input_tokens} in, {self.output_tokens} out, {self.requests} requests, "
+            f"{self.cached_input_tokens} cached{est}\n"
+        )
+
+    def cost_text(self) -> str:
+        return f"costLast=${self.last_turn_cost:.4f}\ncostSession=${self.session_cost:.4f}\n"
+
+
+def estimate_tokens(text: str) -> int:
+    """The fallback estimate of SPEC 4: UTF-8 bytes / 4."""
+    return (len(text.encode()) + 3) // 4
+
+
+def message_text(m: Message) -> str:
+    return m.content + m.reasoning + "".join(c.name + c.arguments for c in m.tool_calls)
+
+
+@dataclass
+class History:
+    messages: list[Message] = field(default_factory=list)
+    totals: Totals = field(default_factory=Totals)
+
+    def append(self, m: Message) -> None:
+        self.messages.append(m)
+
+    def clear(self) -> None:
+        self.messages.clear()
+
+    def estimate(self) -> int:
+        return sum(estimate_tokens(message_text(m)) for m in self.messages)

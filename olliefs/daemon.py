@@ -1,0 +1,89 @@
+"""The daemon: one trio program that serves the FUSE mount and runs every session.
+
+Start-up order matters: sessions are restored before the mount appears (so the first
+``ls`` already sees them), and readiness is reported only once a ``stat`` through the
+mount has been answered, so ``ollie mount`` returns when the tree is usable.
+
+Shutdown (SIGTERM, SIGINT, or an external ``fusermount3 -u``) closes every log first so that
+blocked readers return EOF, then ends the FUSE loop and unmounts; journals are fsync'd as
+sessions close.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+from collections.abc import Callable, Mapping
+
+import pyfuse3
+import trio
+
+from olliefs.fs import spec
+from olliefs.fs.fuse import Operations, mount_options
+from olliefs.session.registry import Registry
+from olliefs.settings import Paths
+
+log = logging.getLogger(__name__)
+
+
+class DaemonError(Exception):
+    pass
+
+
+def lock_state(paths: Paths) -> int:
+    """One daemon per state dir: two would interleave the same journals."""
+    fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DaemonError(f"another ollie daemon is using {paths.state}") from None
+    return fd
+
+
+async def serve(
+    mountpoint: str,
+    paths: Paths,
+    settings: Mapping[str, str],
+    ready: Callable[[], None] | None = None,
+) -> None:
+    max_waiters = int(settings.get("OLLIE_MAX_WAITERS") or 4096)
+    async with trio.open_nursery() as nursery:
+        reg = Registry(paths, settings, mountpoint, nursery)
+        reg.restore()
+        ops = Operations(spec.root(reg), max_waiters)
+        try:
+            pyfuse3.init(ops, mountpoint, mount_options())
+        except RuntimeError as err:
+            raise DaemonError(f"cannot mount {mountpoint}: {err}") from None
+        paths.pid_file.write_text(f"{os.getpid()}\n{mountpoint}\n")
+
+        async def stop_on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for sig in sigs:
+                    log.info("signal %d: unmounting", sig)
+                    await reg.aclose()
+                    pyfuse3.terminate()
+                    return
+
+        async def report_ready() -> None:
+            await trio.to_thread.run_sync(os.stat, os.path.join(mountpoint, "s"))
+            log.info("mounted at %s", mountpoint)
+            if ready:
+                ready()
+
+        nursery.start_soon(stop_on_signal)
+        nursery.start_soon(report_ready)
+        try:
+            await pyfuse3.main(min_tasks=4, max_tasks=max_waiters + 256)
+        finally:
+            with trio.CancelScope(shield=True):
+                await reg.aclose()
+            pyfuse3.close(unmount=True)
+            try:
+                paths.pid_file.unlink()
+            except FileNotFoundError:
+                pass
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,278 @@
+"""The FUSE frontend: pyfuse3 ``Operations`` that only translate to the tree of ``spec.py``.
+
+Inode numbers are handed out per node key and never reused while the daemon runs, so a
+handle on ``s/a/chat`` keeps working after ``mv s/a s/b``. Attribute and entry caching are
+off: synthetic files change size all the time and ``tail -f`` must see the real
+``st_size``. Every expected failure is a typed ``OllieError`` mapped to an errno here; any
+other exception is logged and answered with EIO, so no client request can end the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Hashable
+from typing import ParamSpec, TypeVar
+
+import pyfuse3
+
+from olliefs import errors
+from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
+
+log = logging.getLogger(__name__)
+
+ERRNO: dict[type[errors.OllieError], int] = {
+    errors.InvalidRequest: errno.EINVAL,
+    errors.Busy: errno.EBUSY,
+    errors.Exists: errno.EEXIST,
+    errors.NotFound: errno.ENOENT,
+    errors.Denied: errno.EACCES,
+    errors.WouldBlock: errno.EAGAIN,
+    errors.Interrupted: errno.EINTR,
+    errors.TooMany: errno.EMFILE,
+}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def translated(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except errors.OllieError as err:
+            log.debug("%s: %s: %s", fn.__name__, type(err).__name__, err)
+            raise pyfuse3.FUSEError(ERRNO[type(err)]) from None
+        except Exception:
+            log.exception("unexpected failure in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class Operations(pyfuse3.Operations):
+    def __init__(self, root: Dir, max_waiters: int) -> None:
+        super().__init__()
+        self.root = root
+        self.waiters = Waiters(max_waiters)
+        self._ino: dict[Hashable, int] = {root.key: pyfuse3.ROOT_INODE}
+        self._nodes: dict[int, Node] = {pyfuse3.ROOT_INODE: root}
+        self._handles: dict[int, Handle] = {}
+        self._dirs: dict[int, list[tuple[str, Node]]] = {}
+        self._next_fh = 1
+        self.uid, self.gid = os.getuid(), os.getgid()
+
+    # ---- inode table ----------------------------------------------------------------
+
+    def _inode(self, node: Node) -> int:
+        ino = self._ino.get(node.key)
+        if ino is None:
+            ino = len(self._ino) + 1
+            self._ino[node.key] = ino
+        self._nodes[ino] = node
+        return ino
+
+    def _node(self, inode: int) -> Node:
+        node = self._nodes.get(inode)
+        if node is None or not node.valid():
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return node
+
+    def _dir(self, inode: int) -> Dir:
+        node = self._node(inode)
+        if not isinstance(node, Dir):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return node
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = self._inode(node)
+        a.st_mode = node.mode
+        a.st_nlink = 2 if isinstance(node, Dir) else 1
+        a.st_size = node.size()
+        a.st_uid, a.st_gid = self.uid, self.gid
+        ns = int(node.mtime() * 1e9)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
+        a.st_blksize = 4096
+        a.st_blocks = (a.st_size + 511) // 512
+        a.entry_timeout = 0
+        a.attr_timeout = 0
+        return a
+
+    def _fh(self, handle: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return fh
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.EBADF) from None
+
+    @staticmethod
+    def _name(name: bytes) -> str:
+        try:
+            return name.decode()
+        except UnicodeDecodeError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+
+    # ---- lookups and attributes -----------------------------------------------------
+
+    @translated
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        parent = self._dir(parent_inode)
+        if name == b".":
+            return self._attrs(parent)
+        node = parent.lookup(self._name(name))
+        if node is None or not node.valid():
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(node)
+
+    @translated
+    async def getattr(
+        self, inode: int, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
+        return self._attrs(self._node(inode))
+
+    @translated
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        node = self._node(inode)
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if fields.update_size:
+            # O_TRUNC on a control or prompt file (``echo x > ctl``): nothing to cut.
+            if not (isinstance(node, File) and node.writable):
+                raise pyfuse3.FUSEError(errno.EACCES)
+        return self._attrs(node)
+
+    @translated
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_namemax = 255
+        return s
+
+    # ---- directories ----------------------------------------------------------------
+
+    @translated
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        d = self._dir(inode)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = list(d.entries())
+        return fh
+
+    @translated
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self._dirs.get(fh, [])
+        for i in range(start_id, len(entries)):
+            name, node = entries[i]
+            if not node.valid():
+                continue
+            if not pyfuse3.readdir_reply(token, name.encode(), self._attrs(node), i + 1):
+                break
+
+    @translated
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    # ---- files ----------------------------------------------------------------------
+
+    @translated
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self._node(inode)
+        if not isinstance(node, File):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        acc = flags & os.O_ACCMODE
+        # root bypasses default_permissions, so the modes are enforced here as well.
+        if acc in (os.O_WRONLY, os.O_RDWR) and not node.writable:
+            raise pyfuse3.FUSEError(errno.EACCES)
+        if acc in (os.O_RDONLY, os.O_RDWR) and not node.readable:
+            raise pyfuse3.FUSEError(errno.EACCES)
+        how = Open(pid=ctx.pid, nonblock=bool(flags & os.O_NONBLOCK), waiters=self.waiters)
+        fh = self._fh(node.open(how))
+        return pyfuse3.FileInfo(fh=fh, direct_io=node.direct_io, keep_cache=False)
+
+    @translated
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self._handle(fh).read(off, size)
+
+    @translated
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self._handle(fh).write(off, buf)
+
+    @translated
+    async def flush(self, fh: int) -> None:
+        await self._handle(fh).flush()
+
+    @translated
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is not None:
+            handle.release()
+
+    # ---- namespace changes ----------------------------------------------------------
+
+    @translated
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._dir(parent_inode).unlink(self._name(name))
+
+    @translated
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._dir(parent_inode).rmdir(self._name(name))
+
+    @translated
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        if parent_inode_old != parent_inode_new:
+            raise pyfuse3.FUSEError(errno.EXDEV)
+        self._dir(parent_inode_old).rename(self._name(name_old), self._name(name_new))
+
+    @translated
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        raise pyfuse3.FUSEError(errno.EACCES)
+
+    @translated
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EACCES)
+
+    @translated
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EACCES)
+
+
+def mount_options(fsname: str = "olliefs") -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts.add(f"fsname={fsname}")
+    opts.add("subtype=olliefs")
+    opts.add("default_permissions")
+    return opts

@@ -1,0 +1,365 @@
+"""The kinds of file the tree is made of, independent of FUSE or 9P.
+
+A ``Node`` is what a path names; opening a ``File`` gives a ``Handle`` that serves reads
+and writes. Nodes are cheap objects made on lookup from the declaration in ``spec.py``;
+their identity (``key``) is stable across renames, so frontends can keep inode numbers.
+
+Kinds:
+
+* ``Text``     read-only synthetic text, snapshotted at open (a read sees one version);
+* ``Script``   like ``Text`` but executable (``tail``);
+* ``Control``  written one request per ``write(2)``, applied before write returns; may be
+               readable (``cfg``, ``s/new``), and may answer the request on the same handle
+               (``s/new`` reads back the id it created, the Plan 9 clone-file way);
+* ``PromptIn`` text collected per handle, submitted at flush (close);
+* ``LogFile``  a ``GrowingLog``: ``chat`` (EOF at the end) or, blocking, ``stream`` and
+               ``events`` (a read at the end waits for more);
+* ``StateWait`` one value per open: blocks until the state differs from the one at open.
+
+Blocking reads wait on the log's parking lot and wake in the same scheduler tick as the
+data. Because pyfuse3 does not deliver FUSE INTERRUPT, a waiting read also wakes every
+``INTERRUPT_CHECK`` seconds to look at the reader's pending signals
+(``olliefs.fs.interrupt``) and fails with EINTR when the reader is being signalled: that
+tick is only for Ctrl-C, never for data.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+
+import trio
+
+from olliefs.agent.chat import GrowingLog
+from olliefs.agent.state import StateCell
+from olliefs.errors import Denied, Interrupted, InvalidRequest, TooMany, WouldBlock
+from olliefs.fs.interrupt import signal_pending
+
+INTERRUPT_CHECK = 0.1
+
+
+@dataclass
+class Waiters:
+    """Bounds the number of reads blocked at once (each holds a FUSE worker)."""
+
+    limit: int
+    count: int = 0
+
+
+@dataclass
+class Open:
+    """What a frontend knows about an open: who opened it and how."""
+
+    pid: int
+    nonblock: bool
+    waiters: Waiters
+
+
+class Node:
+    key: Hashable
+    perm: int = 0o444
+
+    @property
+    def mode(self) -> int:
+        return stat.S_IFREG | self.perm
+
+    def size(self) -> int:
+        return 0
+
+    def mtime(self) -> float:
+        return time.time()
+
+    def valid(self) -> bool:
+        return True
+
+
+class Handle:
+    async def read(self, off: int, size: int) -> bytes:
+        raise Denied("not readable")
+
+    async def write(self, off: int, data: bytes) -> int:
+        raise Denied("not writable")
+
+    async def flush(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class File(Node):
+    direct_io = True
+
+    @property
+    def readable(self) -> bool:
+        return bool(self.perm & 0o444)
+
+    @property
+    def writable(self) -> bool:
+        return bool(self.perm & 0o222)
+
+    def open(self, how: Open) -> Handle:
+        raise NotImplementedError
+
+
+class Dir(Node):
+    perm = 0o555
+
+    @property
+    def mode(self) -> int:
+        return stat.S_IFDIR | self.perm
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        raise NotImplementedError
+
+    def lookup(self, name: str) -> Node | None:
+        for n, node in self.entries():
+            if n == name:
+                return node
+        return None
+
+    def unlink(self, name: str) -> None:
+        raise Denied(f"cannot remove {name}")
+
+    def rmdir(self, name: str) -> None:
+        raise Denied(f"cannot remove {name}")
+
+    def rename(self, old: str, new: str) -> None:
+        raise Denied(f"cannot rename {old}")
+
+
+# ---- read-only text ------------------------------------------------------------------
+
+
+class SnapshotHandle(Handle):
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def read(self, off: int, size: int) -> bytes:
+        return self.data[off : off + size]
+
+
+@dataclass(eq=False)
+class Text(File):
+    key: Hashable
+    render: Callable[[], str]
+    live: Callable[[], bool] = lambda: True
+
+    def size(self) -> int:
+        return len(self.render().encode())
+
+    def valid(self) -> bool:
+        return self.live()
+
+    def open(self, how: Open) -> Handle:
+        return SnapshotHandle(self.render().encode())
+
+
+@dataclass(eq=False)
+class Script(Text):
+    perm: int = 0o555
+    direct_io = False
+
+
+# ---- control files -------------------------------------------------------------------
+
+
+class ControlHandle(Handle):
+    def __init__(self, node: Control) -> None:
+        self.node = node
+        self.answer: bytes | None = None
+
+    async def read(self, off: int, size: int) -> bytes:
+        if self.answer is None:
+            if self.node.render is None:
+                raise Denied("not readable")
+            self.answer = self.node.render().encode()
+        return self.answer[off : off + size]
+
+    async def write(self, off: int, data: bytes) -> int:
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise InvalidRequest("not valid UTF-8") from None
+        reply = self.node.apply(text)
+        if reply is not None:
+            self.answer = reply.encode()
+        return len(data)
+
+
+@dataclass(eq=False)
+class Control(File):
+    key: Hashable
+    apply: Callable[[str], str | None]
+    render: Callable[[], str] | None = None
+    perm: int = 0o222
+    live: Callable[[], bool] = lambda: True
+
+    def size(self) -> int:
+        return len(self.render().encode()) if self.render else 0
+
+    def valid(self) -> bool:
+        return self.live()
+
+    def open(self, how: Open) -> Handle:
+        return ControlHandle(self)
+
+
+# ---- prompts -------------------------------------------------------------------------
+
+
+class PromptHandle(Handle):
+    def __init__(self, submit: Callable[[str], Awaitable[None]]) -> None:
+        self.submit = submit
+        self.buf = bytearray()
+
+    async def write(self, off: int, data: bytes) -> int:
+        self.buf += data
+        return len(data)
+
+    async def flush(self) -> None:
+        if not self.buf:
+            return
+        data, self.buf = bytes(self.buf), bytearray()
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise InvalidRequest("prompt is not valid UTF-8") from None
+        await self.submit(text)
+
+
+@dataclass(eq=False)
+class PromptIn(File):
+    key: Hashable
+    submit: Callable[[str], Awaitable[None]]
+    perm: int = 0o222
+    live: Callable[[], bool] = lambda: True
+
+    def valid(self) -> bool:
+        return self.live()
+
+    def open(self, how: Open) -> Handle:
+        return PromptHandle(self.submit)
+
+
+# ---- logs and blocking reads ---------------------------------------------------------
+
+
+async def wait_until(
+    ready: Callable[[], bool], park: Callable[[], Awaitable[None]], how: Open
+) -> None:
+    """Wait for ``ready()``; EAGAIN for O_NONBLOCK, EINTR when the reader is signalled."""
+    if ready():
+        return
+    if how.nonblock:
+        raise WouldBlock("no data yet")
+    if how.waiters.count >= how.waiters.limit:
+        raise TooMany("too many blocked readers")
+    how.waiters.count += 1
+    try:
+        while not ready():
+            with trio.move_on_after(INTERRUPT_CHECK):
+                await park()
+                continue
+            if signal_pending(how.pid):
+                raise Interrupted("interrupted")
+    finally:
+        how.waiters.count -= 1
+
+
+class LogHandle(Handle):
+    def __init__(self, log: GrowingLog, blocking: bool, how: Open) -> None:
+        self.log = log
+        self.blocking = blocking
+        self.how = how
+
+    async def read(self, off: int, size: int) -> bytes:
+        if self.blocking:
+            await wait_until(
+                lambda: off < len(self.log) or self.log.closed, self.log.wait, self.how
+            )
+        return self.log.read(off, size)
+
+
+@dataclass(eq=False)
+class LogFile(File):
+    key: Hashable
+    log: GrowingLog
+    blocking: bool = False
+
+    def size(self) -> int:
+        return len(self.log)
+
+    def mtime(self) -> float:
+        return self.log.mtime
+
+    def valid(self) -> bool:
+        return not self.log.closed
+
+    def open(self, how: Open) -> Handle:
+        return LogHandle(self.log, self.blocking, how)
+
+
+class StateWaitHandle(Handle):
+    def __init__(self, cell: StateCell, gone: Callable[[], bool], how: Open) -> None:
+        self.cell = cell
+        self.gone = gone
+        self.ref = cell.value
+        self.how = how
+        self.done = False
+
+    async def read(self, off: int, size: int) -> bytes:
+        if self.done:
+            return b""
+        await wait_until(
+            lambda: self.cell.value != self.ref or self.gone(), self.cell.wait, self.how
+        )
+        self.done = True
+        if self.cell.value == self.ref:
+            return b""  # the session went away
+        return (self.cell.value + "\n").encode()[:size]
+
+
+@dataclass(eq=False)
+class StateWait(File):
+    key: Hashable
+    cell: StateCell
+    gone: Callable[[], bool]
+
+    def valid(self) -> bool:
+        return not self.gone()
+
+    def open(self, how: Open) -> Handle:
+        return StateWaitHandle(self.cell, self.gone, how)
+
+
+# ---- directories ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class StaticDir(Dir):
+    """A directory whose children are declared (``spec.py``) and bound to one target."""
+
+    key: Hashable
+    children: Callable[[], dict[str, Node]]
+    live: Callable[[], bool] = lambda: True
+    born: float = field(default_factory=time.time)
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        return self.children().items()
+
+    def lookup(self, name: str) -> Node | None:
+        return self.children().get(name)
+
+    def valid(self) -> bool:
+        return self.live()
+
+    def mtime(self) -> float:
+        return self.born
+
+
+def owner() -> tuple[int, int]:
+    return os.getuid(), os.getgid()

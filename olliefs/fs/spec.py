@@ -1,0 +1,133 @@
+"""The file tree, declared once (SPEC 3).
+
+Each entry maps a name to the node kind and the runtime call behind it. The frontends
+(``fuse.py`` now, the 9P export later) only translate this tree; adding a file is one line
+here plus the runtime method it calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from olliefs.fs.nodes import (
+    Control,
+    Dir,
+    LogFile,
+    Node,
+    PromptIn,
+    Script,
+    StateWait,
+    StaticDir,
+    Text,
+)
+from olliefs.session.registry import NEW_TEMPLATE, Registry
+from olliefs.session.session import Session
+
+HELP = """\
+olliefs: an LLM agent runtime whose interface is this file tree.
+
+  echo cwd=$PWD name=demo > s/new     create a session (keys: name cwd backend model agent)
+  echo 'fix the tests' > s/demo/prompt
+  cat s/demo/stream                    follow it live (Ctrl-C to leave)
+  cat s/demo/chat                      the conversation so far
+  echo stop > s/demo/ctl               interrupt; also: kill rn backend model cwd clear
+  cat s/demo/statewait                 wait for the state to change
+  rm -r s/demo                         end it (its journal goes to the transcripts)
+
+See ollie(1) and ollie(5).
+"""
+
+
+def session_files(s: Session) -> dict[str, Node]:
+    u = s.uid
+    live = lambda: not s.closed  # noqa: E731
+
+    def text(name: str, render: Callable[[], str]) -> Text:
+        return Text(("s", u, name), render, live)
+
+    def ctl(text: str) -> None:
+        s.ctl(text)
+
+    def cfg(text: str) -> None:
+        s.write_cfg(text)
+
+    return {
+        "prompt": PromptIn(("s", u, "prompt"), s.submit, live=live),
+        "prompt.prev": text("prompt.prev", lambda: s.prompt_prev + ("\n" if s.prompt_prev else "")),
+        "chat": LogFile(("s", u, "chat"), s.chat),
+        "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),
+        "events": LogFile(("s", u, "events"), s.events, blocking=True),
+        "state": text("state", lambda: s.state.value + "\n"),
+        "statewait": StateWait(("s", u, "statewait"), s.state, lambda: s.closed),
+        "cfg": Control(("s", u, "cfg"), cfg, s.cfg_text, perm=0o666, live=live),
+        "ctl": Control(("s", u, "ctl"), ctl, live=live),
+        "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
+        "usage": text("usage", s.history.totals.usage_text),
+        "cost": text("cost", s.history.totals.cost_text),
+        "ctxsz": text("ctxsz", s.ctxsz_text),
+        "context": text("context", s.context_text),
+        "env": text("env", s.env_text),
+        "tail": Script(("s", u, "tail"), s.tail_script, live),
+    }
+
+
+class SessionDir(StaticDir):
+    """``s/<id>/``: unlink inside succeeds and does nothing, so ``rm -r`` reaches rmdir."""
+
+    def unlink(self, name: str) -> None:
+        pass
+
+
+class SessionsDir(Dir):
+    """``s/``: ``new``, ``idx`` and one directory per session."""
+
+    perm = 0o755
+
+    def __init__(self, reg: Registry) -> None:
+        self.key = ("s",)
+        self.reg = reg
+
+    def _fixed(self) -> dict[str, Node]:
+        def new(text: str) -> str:
+            return self.reg.create(text).id + "\n"
+
+        return {
+            "new": Control(("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666),
+            "idx": Text(("s", "idx"), self.reg.idx_text),
+        }
+
+    def _session_dir(self, s: Session) -> Node:
+        return SessionDir(
+            ("s", s.uid), lambda: session_files(s), lambda: not s.closed, born=s.created
+        )
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        yield from self._fixed().items()
+        for sid in sorted(self.reg.sessions):
+            yield sid, self._session_dir(self.reg.sessions[sid])
+
+    def lookup(self, name: str) -> Node | None:
+        fixed = self._fixed()
+        if name in fixed:
+            return fixed[name]
+        s = self.reg.sessions.get(name)
+        return self._session_dir(s) if s else None
+
+    def rmdir(self, name: str) -> None:
+        self.reg.kill(self.reg.get(name))
+
+    def rename(self, old: str, new: str) -> None:
+        self.reg.rename(self.reg.get(old), new)
+
+
+def root(reg: Registry) -> Dir:
+    sessions = SessionsDir(reg)
+    return StaticDir(
+        ("/",),
+        lambda: {
+            "backends": Text(("backends",), reg.backends_text),
+            "help": Text(("help",), lambda: HELP),
+            "events": LogFile(("events",), reg.events, blocking=True),
+            "s": sessions,
+        },
+    )

@@ -1,0 +1,141 @@
+"""The session journal: one append-only file of JSON lines per session.
+
+Everything a session is can be rebuilt by replaying its journal: ``Create`` first, then
+prompts as they are acknowledged, turn boundaries, every event (which re-renders ``chat``
+and ``events``), history messages, usage, configuration changes and renames.
+
+Durability: records are written with ``write(2)`` as the turn goes (a killed daemon loses
+none of them: they are in the kernel), and the file is fsync'd when a prompt is
+acknowledged, when a turn ends and when the session is created, so a machine crash loses
+at most the part of a turn that was still running. A torn last line (a crash inside
+``write``) is ignored on replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from olliefs.agent.events import Event
+from olliefs.backend.base import Message, Usage
+
+log = logging.getLogger(__name__)
+
+
+class Create(msgspec.Struct, tag="create"):
+    uid: str
+    id: str
+    cwd: str
+    backend: str
+    model: str
+    agent: str
+    ts: float
+
+
+class Prompt(msgspec.Struct, tag="prompt"):
+    seq: int
+    text: str
+    ts: float
+
+
+class Start(msgspec.Struct, tag="start"):
+    seq: int
+
+
+class End(msgspec.Struct, tag="end"):
+    seq: int
+
+
+class Ev(msgspec.Struct, tag="ev"):
+    ev: Event
+
+
+class Msg(msgspec.Struct, tag="msg"):
+    msg: Message
+
+
+class UsageRec(msgspec.Struct, tag="usage"):
+    usage: Usage
+    cost: float
+    estimated: bool = False
+
+
+class TurnCost(msgspec.Struct, tag="turncost"):
+    cost: float
+
+
+class Cfg(msgspec.Struct, tag="cfg"):
+    values: dict[str, Any]
+
+
+class Rename(msgspec.Struct, tag="rename"):
+    id: str
+
+
+class Clear(msgspec.Struct, tag="clear"):
+    pass
+
+
+Record = Create | Prompt | Start | End | Ev | Msg | UsageRec | TurnCost | Cfg | Rename | Clear
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Record)
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._dirty = False
+
+    def append(self, rec: Record) -> None:
+        os.write(self._fd, _encoder.encode(rec) + b"\n")
+        self._dirty = True
+
+    def sync(self) -> None:
+        """Make everything appended so far durable (fsync). Cheap when nothing changed."""
+        if self._dirty:
+            os.fsync(self._fd)
+            self._dirty = False
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self.sync()
+            os.close(self._fd)
+            self._fd = -1
+
+
+def sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def repair(path: Path) -> None:
+    """Cut a torn last line so that the next append starts on a line of its own."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        log.warning("%s: torn last record (%d bytes) cut", path, len(data) - keep)
+        os.truncate(path, keep)
+
+
+def read_journal(path: Path) -> list[Record]:
+    """All complete records; a torn or undecodable line ends the replay there."""
+    records: list[Record] = []
+    data = path.read_bytes()
+    for n, line in enumerate(data.split(b"\n")[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_decoder.decode(line))
+        except msgspec.DecodeError as e:
+            log.warning("%s:%d: unreadable journal record ignored from here: %s", path, n, e)
+            break
+    return records

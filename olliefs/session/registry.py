@@ -1,0 +1,225 @@
+"""All sessions of one daemon: creation, naming, removal and restore after a restart."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+
+import trio
+
+from olliefs.agent.chat import GrowingLog
+from olliefs.backend import pool
+from olliefs.backend.base import Backend, BackendError
+from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
+from olliefs.session import persist
+from olliefs.session.session import Session, journal_path, resolve_cwd
+from olliefs.settings import Paths, agent_names
+
+log = logging.getLogger(__name__)
+
+NEW_KEYS = ("name", "cwd", "backend", "model", "agent")
+NEW_TEMPLATE = "".join(f"{k}=\n" for k in NEW_KEYS)
+RESERVED = {"new", "idx"}
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+DEFAULT_MODEL = "gpt-4o-mini"
+
+
+def new_uid() -> str:
+    return f"{time.time_ns()}-{secrets.token_hex(3)}"
+
+
+class Registry:
+    def __init__(
+        self,
+        paths: Paths,
+        settings: Mapping[str, str],
+        mountpoint: str,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.paths = paths
+        self.settings = dict(settings)
+        self.mountpoint = mountpoint
+        self._nursery = nursery
+        self.sessions: dict[str, Session] = {}
+        self.events = GrowingLog()
+        self._backends: dict[str, Backend] = {}
+        self._ctxlen: dict[tuple[str, str], int] = {}
+        self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
+        self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
+        self.default_model = settings.get("OLLIE_MODEL") or DEFAULT_MODEL
+
+    # ---- backends and profiles ------------------------------------------------------
+
+    def backend_names(self) -> list[str]:
+        return pool.backend_names()
+
+    def backend(self, name: str) -> Backend:
+        if name not in self._backends:
+            self._backends[name] = pool.make_backend(name, self.settings)
+        return self._backends[name]
+
+    async def context_length(self, s: Session) -> int:
+        key = (s.backend_name, s.model)
+        if key not in self._ctxlen:
+            try:
+                self._ctxlen[key] = await s.backend().context_length(s.model)
+            except BackendError as err:
+                log.info("context length of %s unknown (%s); using the default", key, err)
+                self._ctxlen[key] = self.default_context_length
+        return self._ctxlen[key]
+
+    def check_backend(self, name: str) -> None:
+        if name not in self.backend_names():
+            known = " ".join(self.backend_names())
+            raise InvalidRequest(f"unknown backend: {name} (known: {known})")
+
+    def check_agent(self, name: str) -> None:
+        if name not in agent_names(self.paths):
+            raise InvalidRequest(f"unknown agent profile: {name}")
+
+    def check_new_name(self, name: str) -> None:
+        if not NAME_RE.fullmatch(name) or name in RESERVED:
+            raise InvalidRequest(
+                f"bad session name: {name!r} (letters, digits, '.', '_', '-'; not new/idx)"
+            )
+        if name in self.sessions:
+            raise Exists(f"session name taken: {name}")
+
+    # ---- texts ----------------------------------------------------------------------
+
+    def idx_text(self) -> str:
+        return "".join(self.sessions[k].idx_line() for k in sorted(self.sessions))
+
+    def backends_text(self) -> str:
+        return "".join(f"{n}\n" for n in self.backend_names())
+
+    def get(self, sid: str) -> Session:
+        try:
+            return self.sessions[sid]
+        except KeyError:
+            raise NotFound(f"no such session: {sid}") from None
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def parse_new(self, text: str) -> dict[str, str]:
+        values: dict[str, str] = {}
+        seen: set[str] = set()
+        for tok in text.split():
+            key, sep, value = tok.partition("=")
+            if not sep:
+                raise InvalidRequest(f"s/new: expected key=value, got {tok!r}")
+            if key not in NEW_KEYS:
+                raise InvalidRequest(f"s/new: unknown key {key!r} (keys: {' '.join(NEW_KEYS)})")
+            if key in seen:
+                raise InvalidRequest(f"s/new: duplicate key {key!r}")
+            seen.add(key)
+            if value:
+                values[key] = value
+        if "cwd" not in values:
+            raise InvalidRequest("s/new: cwd= is required")
+        values["cwd"] = resolve_cwd(values["cwd"])
+        values.setdefault("backend", self.default_backend)
+        self.check_backend(values["backend"])
+        values.setdefault("agent", "default")
+        self.check_agent(values["agent"])
+        values.setdefault("model", self.default_model)
+        if "name" in values:
+            self.check_new_name(values["name"])
+        return values
+
+    def create(self, text: str) -> Session:
+        """Create a session from an ``s/new`` write; durable before it returns."""
+        v = self.parse_new(text)
+        uid = new_uid()
+        sid = v.get("name", uid)
+        path = journal_path(self.paths.sessions, uid)
+        journal = persist.Journal(path)
+        rec = persist.Create(uid, sid, v["cwd"], v["backend"], v["model"], v["agent"], time.time())
+        journal.append(rec)
+        journal.sync()
+        persist.sync_dir(self.paths.sessions)
+        s = self._from_create(rec, journal)
+        s.emit("info", f"session {sid} created (cwd {s.cwd}, {s.backend_name}/{s.model})")
+        self._start(s)
+        return s
+
+    def _from_create(self, rec: persist.Create, journal: persist.Journal) -> Session:
+        return Session(
+            self,
+            journal,
+            uid=rec.uid,
+            id=rec.id,
+            cwd=rec.cwd,
+            backend=rec.backend,
+            model=rec.model,
+            agent=rec.agent,
+            created=rec.ts,
+        )
+
+    def _start(self, s: Session) -> None:
+        self.sessions[s.id] = s
+        self._nursery.start_soon(s.run, name=f"session {s.uid}")
+
+    def rename(self, s: Session, new: str) -> None:
+        if s.running:
+            raise Busy(f"rename {s.id}: refused while a turn is running")
+        self.check_new_name(new)
+        old = s.id
+        s.record(persist.Rename(new))
+        s.journal.sync()
+        del self.sessions[old]
+        s.id = new
+        self.sessions[new] = s
+        s.emit("info", f"renamed from {old} to {new}")
+
+    def kill(self, s: Session) -> None:
+        """Stop the session and move its journal to the transcripts (nothing is lost)."""
+        if self.sessions.get(s.id) is not s:
+            return
+        del self.sessions[s.id]
+        s.emit("info", "session killed")
+        s.close()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
+        dest = self.paths.transcripts / f"{stamp}-{s.id}.jsonl"
+        shutil.move(s.journal.path, dest)
+        persist.sync_dir(self.paths.sessions)
+
+    def restore(self) -> None:
+        """Bring back every journalled session (at daemon start)."""
+        for path in sorted(self.paths.sessions.glob("*.jsonl")):
+            try:
+                persist.repair(path)
+                records = persist.read_journal(path)
+                if not records or not isinstance(records[0], persist.Create):
+                    log.warning("%s: no create record; left alone", path)
+                    continue
+                s = self._from_create(records[0], persist.Journal(path))
+                s.replay(records[1:])
+            except (OSError, ValueError) as err:
+                log.error("%s: cannot restore: %s", path, err)
+                continue
+            if s.id in self.sessions:
+                log.error("%s: duplicate session id %s; left alone", path, s.id)
+                s.journal.close()
+                continue
+            self._start(s)
+        log.info("restored %d sessions", len(self.sessions))
+
+    async def aclose(self) -> None:
+        for s in list(self.sessions.values()):
+            s.close()
+        self.events.close()
+        for b in self._backends.values():
+            with trio.CancelScope(shield=True):
+                await b.aclose()
+
+
+def _int(value: str | None, default: int) -> int:
+    try:
+        return int(value) if value else default
+    except ValueError:
+        return default

@@ -1,0 +1,132 @@
+"""Where olliefs keeps things on disk and which settings it runs with.
+
+Paths follow the XDG base directories (through platformdirs); ``OLLIE_HOME`` overrides all
+of them with one folder holding ``config/ state/ data/ run/`` (tests use it so that each
+test owns a private world).
+
+Settings are ``KEY=VALUE`` pairs: the config ``env`` file gives defaults, the process
+environment overrides them. Keys, tokens and URLs live only here, never in the tree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+APP = "ollie"
+
+
+@dataclass(frozen=True)
+class Paths:
+    config: Path
+    state: Path
+    data: Path
+    run: Path
+
+    @property
+    def sessions(self) -> Path:
+        return self.state / "sessions"
+
+    @property
+    def transcripts(self) -> Path:
+        return self.state / "transcripts"
+
+    @property
+    def env_file(self) -> Path:
+        return self.config / "env"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.run / "ollie.pid"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.state / "daemon.lock"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state / "daemon.log"
+
+    def ensure(self) -> None:
+        for d in (self.config, self.state, self.data, self.sessions, self.transcripts):
+            d.mkdir(parents=True, exist_ok=True)
+        self.run.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.run, 0o700)
+
+
+def paths(environ: Mapping[str, str] | None = None) -> Paths:
+    env = os.environ if environ is None else environ
+    home = env.get("OLLIE_HOME")
+    if home:
+        root = Path(home).expanduser().absolute()
+        return Paths(root / "config", root / "state", root / "data", root / "run")
+    runtime = env.get("XDG_RUNTIME_DIR")
+    run = Path(runtime) / APP if runtime else Path(f"/tmp/ollie-{os.getuid()}")
+    return Paths(
+        Path(platformdirs.user_config_dir(APP)),
+        Path(platformdirs.user_state_dir(APP)),
+        Path(platformdirs.user_data_dir(APP)),
+        run,
+    )
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines; ``#`` comments, blank lines, ``export`` and quotes allowed."""
+    out: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export ") :].lstrip()
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            continue
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key] = value
+    return out
+
+
+def load_settings(p: Paths, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The config ``env`` file as defaults, overridden by the process environment."""
+    env = os.environ if environ is None else environ
+    settings: dict[str, str] = {}
+    try:
+        settings.update(parse_env_file(p.env_file.read_text()))
+    except FileNotFoundError:
+        pass
+    settings.update(
+        {k: v for k, v in env.items() if k.startswith("OLLIE") or k.endswith("_API_KEY")}
+    )
+    return settings
+
+
+def shipped_dir() -> Path:
+    """The project's ``agents/`` folder, installed as package data ``olliefs._agents``."""
+    import olliefs._agents
+
+    return Path(olliefs._agents.__file__).parent
+
+
+def install_defaults(p: Paths) -> None:
+    """Copy shipped defaults into the config dir where the user has no file of that name."""
+    src = shipped_dir()
+    for sub, dest in (("profiles", p.config / "agents"),):
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in sorted((src / sub).iterdir()):
+            target = dest / f.name
+            if f.is_file() and not target.exists():
+                target.write_bytes(f.read_bytes())
+
+
+def agent_names(p: Paths) -> set[str]:
+    names = {f.stem for f in (shipped_dir() / "profiles").glob("*.json")}
+    names.update(f.stem for f in (p.config / "agents").glob("*.json"))
+    return names
