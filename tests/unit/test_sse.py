@@ -1,0 +1,316 @@
+"""The shared streaming helpers: line splitting, SSE parsing, status and transport errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from olliefs.backend.base import (
+    BadResponseError,
+    ContextOverflowError,
+    RateLimitError,
+    ToolUnsupportedError,
+    TransientError,
+)
+from olliefs.backend.stream import (
+    MAX_MESSAGE_CHARS,
+    SSEMessage,
+    http_error,
+    httpx_errors,
+    iter_lines,
+    iter_sse,
+    one_line,
+    retry_after,
+    transport_error,
+)
+
+
+async def feed(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+async def lines_of(*chunks: bytes) -> list[str]:
+    return [line async for line in iter_lines(feed(list(chunks)))]
+
+
+async def sse_of(*chunks: bytes) -> list[SSEMessage]:
+    return [message async for message in iter_sse(feed(list(chunks)))]
+
+
+# --- lines ---------------------------------------------------------------------------------
+
+
+async def test_lines_end_in_lf_crlf_or_cr() -> None:
+    assert await lines_of(b"a\nb\r\nc\rd") == ["a", "b", "c", "d"]
+
+
+async def test_crlf_split_across_chunks_is_one_terminator() -> None:
+    assert await lines_of(b"a\r", b"\nb\r", b"", b"\n", b"\n") == ["a", "b", ""]
+
+
+async def test_cr_then_cr_is_an_empty_line() -> None:
+    assert await lines_of(b"a\r", b"\rb") == ["a", "", "b"]
+
+
+async def test_line_split_across_many_chunks() -> None:
+    assert await lines_of(b"da", b"ta: x", b"yz\n") == ["data: xyz"]
+
+
+async def test_unicode_line_separators_do_not_split() -> None:
+    text = 'data: {"a": "x\u2028y\u0085z\x0c"}\n'
+    assert await lines_of(text.encode()) == [text[:-1]]
+
+
+async def test_multibyte_character_split_across_chunks() -> None:
+    encoded = "é€😀\n".encode()
+    assert await lines_of(*(encoded[i : i + 1] for i in range(len(encoded)))) == ["é€😀"]
+
+
+async def test_leading_bom_is_dropped_and_bad_bytes_replaced() -> None:
+    assert await lines_of(b"\xef\xbb\xbfa\n\xff\n") == ["a", "\ufffd"]
+
+
+async def test_empty_stream_has_no_lines() -> None:
+    assert await lines_of() == []
+    assert await lines_of(b"") == []
+
+
+# --- SSE -----------------------------------------------------------------------------------
+
+
+async def test_data_with_and_without_space() -> None:
+    assert await sse_of(b"data: a\n\ndata:b\n\ndata:  c\n\n") == [
+        SSEMessage("a"),
+        SSEMessage("b"),
+        SSEMessage(" c"),
+    ]
+
+
+async def test_multi_line_data_is_joined_with_newlines() -> None:
+    assert await sse_of(b"data: one\ndata:\ndata: three\n\n") == [SSEMessage("one\n\nthree")]
+
+
+async def test_event_and_id_fields() -> None:
+    body = b"event: delta\nid: 7\ndata: x\n\ndata: y\n\nid: 8\nevent: end\ndata: z\n\n"
+    assert await sse_of(body) == [
+        SSEMessage("x", "delta", "7"),
+        SSEMessage("y", "", "7"),  # the event type resets, the last id persists
+        SSEMessage("z", "end", "8"),
+    ]
+
+
+async def test_comments_unknown_fields_and_empty_events_are_ignored() -> None:
+    body = b": OPENROUTER PROCESSING\n\nretry: 10\nfoo: bar\n\nevent: ping\n\ndata: x\n: c\n\n"
+    assert await sse_of(body) == [SSEMessage("x")]
+
+
+async def test_field_without_colon() -> None:
+    assert await sse_of(b"data\n\n") == [SSEMessage("")]
+
+
+async def test_crlf_and_cr_line_endings() -> None:
+    assert await sse_of(b"data: a\r\n\r\ndata: b\r\rdata: c\r\n") == [
+        SSEMessage("a"),
+        SSEMessage("b"),
+        SSEMessage("c"),
+    ]
+
+
+async def test_final_message_without_blank_line_is_dispatched() -> None:
+    assert await sse_of(b"data: a\n\ndata: [DONE]") == [SSEMessage("a"), SSEMessage("[DONE]")]
+    assert await sse_of(b"data: [DONE]\n") == [SSEMessage("[DONE]")]
+
+
+async def test_message_split_anywhere() -> None:
+    body = b"data: hello\r\n\r\ndata: world\n\n"
+    for cut in range(len(body) + 1):
+        assert await sse_of(body[:cut], body[cut:]) == [SSEMessage("hello"), SSEMessage("world")]
+
+
+_value = st.text(st.characters(exclude_characters="\r\n", exclude_categories=["Cs"]), max_size=12)
+_message = st.tuples(
+    st.sampled_from(["", "delta", "error"]),
+    st.none() | _value,
+    st.lists(_value, min_size=1, max_size=3),
+    st.booleans(),
+)
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> tuple[bytes, list[SSEMessage]]:
+    messages = draw(st.lists(_message, max_size=5))
+    eol = st.sampled_from(["\n", "\r\n", "\r"])
+    text, last_id = "", ""
+    expected: list[SSEMessage] = []
+    for event, event_id, data, comment in messages:
+        fields = [": keep-alive"] if comment else []
+        fields += [f"event: {event}"] if event else []
+        fields += [f"id: {event_id}"] if event_id is not None else []
+        fields += [f"data: {line}" for line in data]
+        text += "".join(field + draw(eol) for field in fields)
+        text += draw(st.sampled_from(["\r", "\r\n"]) if text.endswith("\r") else eol)  # not CR+LF
+        last_id = last_id if event_id is None else event_id
+        expected.append(SSEMessage("\n".join(data), event, last_id))
+    for _ in range(draw(st.integers(0, 2))):  # drop the last blank line, maybe the last EOL
+        text = text.removesuffix("\n").removesuffix("\r")
+    return text.encode(), expected
+
+
+@given(_streams(), st.lists(st.integers(min_value=0), max_size=8))
+async def test_same_messages_however_the_bytes_are_split(
+    stream: tuple[bytes, list[SSEMessage]], cuts: list[int]
+) -> None:
+    body, expected = stream
+    points = sorted({cut % (len(body) + 1) for cut in cuts})
+    chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
+    assert await sse_of(*chunks) == expected
+
+
+# --- HTTP status -> error ------------------------------------------------------------------
+
+
+def test_429_uses_retry_after_seconds() -> None:
+    error = http_error(429, b'{"error": {"message": "slow down"}}', {"Retry-After": "7"})
+    assert isinstance(error, RateLimitError)
+    assert error.retry_after == 7.0
+    assert str(error) == "HTTP 429: slow down"
+
+
+def test_429_prefers_retry_after_ms() -> None:
+    error = http_error(429, b"", {"retry-after-ms": "1500", "retry-after": "7"})
+    assert isinstance(error, RateLimitError)
+    assert error.retry_after == 1.5
+
+
+def test_429_without_hint() -> None:
+    error = http_error(429, b"")
+    assert isinstance(error, RateLimitError)
+    assert error.retry_after is None
+    assert str(error) == "HTTP 429: Too Many Requests"
+
+
+def test_retry_after_http_date() -> None:
+    now = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
+    headers = {"Retry-After": "Wed, 01 Jan 2025 12:00:30 GMT"}
+    assert retry_after(headers, now) == 30.0
+    assert retry_after({"Retry-After": "Wed, 01 Jan 2025 11:00:00 GMT"}, now) == 0.0
+
+
+@pytest.mark.parametrize("value", ["soon", "-3", "nan", "inf", ""])
+def test_unusable_retry_after_is_none(value: str) -> None:
+    assert retry_after({"Retry-After": value}) is None
+    assert retry_after({"retry-after-ms": value}) is None
+
+
+@pytest.mark.parametrize("status", [408, 500, 502, 503, 529])
+def test_server_errors_and_408_are_transient(status: int) -> None:
+    assert type(http_error(status, b"<html>oops</html>")) is TransientError
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"error": {"message": "too long", "code": "context_length_exceeded"}}',
+        "This model's maximum context length is 8192 tokens.",
+        "Please reduce the length of the messages.",
+        '{"error": {"type": "invalid_request_error", "message": "prompt is too long: 210000"}}',
+        "Input has too many tokens",
+        "the request exceeds the available context size, try increasing it",
+    ],
+)
+def test_400_context_overflow(body: str) -> None:
+    assert isinstance(http_error(400, body), ContextOverflowError)
+
+
+@pytest.mark.parametrize("status", [400, 422])
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"error": {"message": "registry.ollama.ai/library/gemma:2b does not support tools"}}',
+        "Tool use is not supported for this model",
+        "tools are not supported",
+        "This model does not support function calling",
+    ],
+)
+def test_tools_unsupported(status: int, body: str) -> None:
+    assert isinstance(http_error(status, body), ToolUnsupportedError)
+
+
+def test_overflow_text_on_other_4xx_is_a_bad_response() -> None:
+    assert type(http_error(404, "maximum context length")) is BadResponseError
+
+
+def test_other_4xx_carry_the_provider_message_without_the_key() -> None:
+    key = "sk-secret-0123456789"
+    body = f'{{"error": {{"message": "Incorrect API key provided:\\n {key}", "code": 401}}}}'
+    error = http_error(401, body.encode(), secret=key)
+    assert type(error) is BadResponseError
+    assert str(error) == "HTTP 401: Incorrect API key provided: ***"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('{"error": "model not found"}', "model not found"),
+        ('{"detail": "Not Found"}', "Not Found"),
+        ('{"message": "nope"}', "nope"),
+        ('{"error": {"code": 404}}', '{"error": {"code": 404}}'),
+        ("plain text", "plain text"),
+        ("", "Not Found"),
+        (
+            '{"error": {"message": "Provider returned error", "metadata": {"raw": "quota"}}}',
+            "Provider returned error: quota",
+        ),
+    ],
+)
+def test_provider_message_shapes(body: str, message: str) -> None:
+    assert str(http_error(404, body)) == f"HTTP 404: {message}"
+
+
+def test_long_bodies_become_one_short_line() -> None:
+    message = str(http_error(418, "word\n\t" * 500))
+    assert "\n" not in message
+    assert len(message) == MAX_MESSAGE_CHARS
+    assert message.endswith("…")
+    assert one_line("a  b\r\nc") == "a b c"
+
+
+def test_label_replaces_the_status_prefix() -> None:
+    assert (
+        str(http_error(502, "upstream", label="stream error 502")) == "stream error 502: upstream"
+    )
+
+
+# --- transport errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        httpx.ConnectError("[Errno 111] Connection refused"),
+        httpx.ReadTimeout(""),
+        httpx.ConnectTimeout("timed out"),
+        httpx.RemoteProtocolError("peer closed connection without sending complete message body"),
+        httpx.ReadError("reset"),
+    ],
+)
+def test_network_failures_are_transient(exc: httpx.HTTPError) -> None:
+    error = transport_error(exc)
+    assert type(error) is TransientError
+    assert type(exc).__name__ in str(error)
+
+
+def test_request_mistakes_are_not_retried() -> None:
+    assert type(transport_error(httpx.UnsupportedProtocol("no scheme"))) is BadResponseError
+
+
+def test_httpx_errors_context_translates() -> None:
+    with pytest.raises(TransientError) as caught, httpx_errors():
+        raise httpx.ReadTimeout("")
+    assert isinstance(caught.value.__cause__, httpx.ReadTimeout)
