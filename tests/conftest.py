@@ -93,12 +93,19 @@ class Daemon:
         )
         stderr.close()
         end = time.monotonic() + 30
-        while not self.mounted():
+        while not self.serving():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited: {self.stderr()}")
             if time.monotonic() > end:
                 raise RuntimeError(f"daemon did not mount: {self.stderr()}")
             time.sleep(0.02)
+
+    def serving(self) -> bool:
+        """Mounted and answering (a stale mount left by a crash answers ENOTCONN)."""
+        try:
+            return self.mounted() and (self.path / "s" / "new").exists()
+        except OSError:
+            return False
 
     def mounted(self) -> bool:
         with open("/proc/self/mountinfo") as f:
