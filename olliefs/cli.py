@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -47,19 +48,28 @@ def _mounts() -> dict[str, str]:
 
 
 def _daemon_pid(p: Paths) -> tuple[int, str] | None:
-    """(pid, mountpoint) of a live daemon for this state dir, if any."""
+    """(pid, mountpoint) of the live daemon of this state dir, if any.
+
+    Alive means: it holds the state lock. A pid file alone can lie (a SIGKILLed daemon
+    leaves it behind, its pid may be reused, or linger as a zombie nobody reaps).
+    """
+    try:
+        fd = os.open(p.lock_file, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass  # held: a daemon is alive
+    else:
+        return None
+    finally:
+        os.close(fd)
     try:
         pid_s, mnt = p.pid_file.read_text().splitlines()[:2]
-        pid = int(pid_s)
+        return int(pid_s), mnt
     except (OSError, ValueError):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return pid, mnt
+        return -1, "(unknown: no pid file)"
 
 
 def _clear_stale(mnt: str) -> None:
@@ -177,12 +187,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
             return 0
         raise CliError("not mounted")
     pid, mnt = running
+    if pid <= 0:
+        raise CliError("a daemon holds the state lock but left no pid file")
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _daemon_pid(p) is None:  # it released the state lock: it is gone
             print(f"unmounted {mnt}")
             return 0
         time.sleep(0.05)
