@@ -168,16 +168,22 @@ class Script(Text):
 
 
 class ControlHandle(Handle):
+    """Reads after a write that answered return the answer from its start, whether the
+    reader seeks back to 0 (``pread``) or goes on reading where the write ended (a shell's
+    ``exec 3<>s/new; echo ... >&3; read id <&3``)."""
+
     def __init__(self, node: Control) -> None:
         self.node = node
         self.answer: bytes | None = None
+        self.base = 0  # file offset at which the answer starts
 
     async def read(self, off: int, size: int) -> bytes:
         if self.answer is None:
             if self.node.render is None:
                 raise Denied("not readable")
             self.answer = self.node.render().encode()
-        return self.answer[off : off + size]
+        pos = off - self.base if off >= self.base else off
+        return self.answer[pos : pos + size]
 
     async def write(self, off: int, data: bytes) -> int:
         try:
@@ -187,6 +193,7 @@ class ControlHandle(Handle):
         reply = self.node.apply(text)
         if reply is not None:
             self.answer = reply.encode()
+            self.base = off + len(data)
         return len(data)
 
 

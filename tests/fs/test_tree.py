@@ -296,3 +296,14 @@ def test_nonblocking_read_at_end(daemon: Daemon) -> None:
             assert oserror(os.read, fd, 100) == errno.EAGAIN
         finally:
             os.close(fd)
+
+
+def test_new_answers_the_id_to_a_shell(daemon: Daemon) -> None:
+    out = subprocess.run(
+        ["bash", "-c", f'exec 3<>s/new; echo "cwd={daemon.work}" >&3; read -r id <&3; echo $id'],
+        cwd=daemon.path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert out and os.path.isdir(daemon.p(f"s/{out}"))
