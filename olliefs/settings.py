@@ -10,6 +10,7 @@ environment overrides them. Keys, tokens and URLs live only here, never in the t
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -110,9 +111,10 @@ def load_settings(p: Paths, environ: Mapping[str, str] | None = None) -> dict[st
 
 def shipped_dir() -> Path:
     """The project's ``agents/`` folder, installed as package data ``olliefs._agents``."""
-    import olliefs._agents
-
-    return Path(olliefs._agents.__file__).parent
+    spec = importlib.util.find_spec("olliefs._agents")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("olliefs is not installed properly: olliefs._agents is missing")
+    return Path(spec.origin).parent
 
 
 def install_defaults(p: Paths) -> None:

@@ -83,7 +83,7 @@ class Daemon:
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        stderr = open(self.base / "daemon.stderr", "ab")  # noqa: SIM115
+        stderr = open(self.base / "daemon.stderr", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "olliefs", "mount", "-f", str(self.path)],
             env=self.env,

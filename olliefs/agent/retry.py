@@ -24,8 +24,8 @@ class RetryPolicy:
     def from_settings(cls, settings: Mapping[str, str]) -> RetryPolicy:
         def num(key: str, default: float) -> float:
             try:
-                v = float(settings.get(key, default))
-            except ValueError:
+                v = float(settings[key])
+            except (KeyError, ValueError):
                 return default
             return v if v >= 0 else default
 
@@ -38,7 +38,7 @@ class RetryPolicy:
         if isinstance(err, RateLimitError):
             if err.retry_after is not None:
                 return max(err.retry_after, 0.0)
-            return self.ratelimit_base * 2**attempt
+            return self.ratelimit_base * 2.0**attempt
         if isinstance(err, TransientError):
-            return self.base * 2**attempt
+            return self.base * 2.0**attempt
         return None

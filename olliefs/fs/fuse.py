@@ -13,8 +13,8 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Hashable
-from typing import ParamSpec, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
+from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
@@ -38,7 +38,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def translated(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+def translated(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
@@ -138,9 +138,7 @@ class Operations(pyfuse3.Operations):
         return self._attrs(node)
 
     @translated
-    async def getattr(
-        self, inode: int, ctx: pyfuse3.RequestContext | None = None
-    ) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self._attrs(self._node(inode))
 
     @translated

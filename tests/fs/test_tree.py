@@ -253,7 +253,10 @@ def test_cfg_writes(daemon: Daemon) -> None:
 def test_ctl_commands(daemon: Daemon) -> None:
     daemon.new(name="x")
     daemon.write("s/x/ctl", "stop")  # idle: nothing to do, succeeds
-    for bad, err in (("frobnicate", "unknown command: frobnicate"), ("backend", "backend: missing")):
+    for bad, err in (
+        ("frobnicate", "unknown command: frobnicate"),
+        ("backend", "backend: missing"),
+    ):
         assert oserror(daemon.write, "s/x/ctl", bad) == errno.EINVAL
         assert f"\nerror: {err}" in daemon.read("s/x/chat")
     assert oserror(daemon.write, "s/x/ctl", "backend nope") == errno.EINVAL
