@@ -10,208 +10,17 @@ client mistakes are answered with errnos and must not look like daemon failures.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
 
 import pytest
 
 from olliefs.replay import Entry, ReplayServer, parse_script
-
-HAVE_FUSE = os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK)
-needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse (FUSE tests mount)")
+from olliefs.testing import HAVE_FUSE, Daemon, deadline
 
 
 def script(*lines: str) -> list[Entry]:
     return parse_script("\n".join(lines))
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Fail with TimeoutError if the block takes longer (a hung mount must fail a test).
-
-    SIGALRM interrupts a read blocked on the mount too: the daemon sees the pending signal
-    and answers EINTR, so this also keeps exercising that mechanism.
-    """
-
-    def on_alarm(signum: int, frame: FrameType | None) -> None:
-        raise TimeoutError(f"no result within {seconds}s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-class Daemon:
-    """An olliefs daemon on a private OLLIE_HOME, mounted at ``path``."""
-
-    def __init__(self, base: Path, replay: ReplayServer, extra_env: dict[str, str]) -> None:
-        self.base = base
-        self.home = base / "home"
-        self.path = base / "mnt"
-        self.path.mkdir(exist_ok=True)
-        self.work = base / "work"
-        self.work.mkdir(exist_ok=True)
-        self.replay = replay
-        self.env = {
-            **os.environ,
-            "OLLIE_HOME": str(self.home),
-            "OLLIE_BACKEND": "openai",
-            "OLLIE_MODEL": "replay",
-            "OLLIE_OPENAI_URL": replay.url,
-            "OLLIE_OPENAI_KEY": "sk-test-secret-key-0123456789",
-            "OLLIE_RETRY_BASE": "0.01",
-            "OLLIE_RATELIMIT_BASE": "0.01",
-            "OLLIE_READ_TIMEOUT": "2",
-            **extra_env,
-        }
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_seen = 0
-        self.allowed_errors: list[str] = []
-
-    # ---- lifecycle ------------------------------------------------------------------
-
-    def start(self) -> None:
-        stderr = open(self.base / "daemon.stderr", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "olliefs", "mount", "-f", str(self.path)],
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=stderr,
-            stderr=stderr,
-        )
-        stderr.close()
-        end = time.monotonic() + 30
-        while not self.serving():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.stderr()}")
-            if time.monotonic() > end:
-                raise RuntimeError(f"daemon did not mount: {self.stderr()}")
-            time.sleep(0.02)
-
-    def serving(self) -> bool:
-        """Mounted and answering (a stale mount left by a crash answers ENOTCONN)."""
-        try:
-            return self.mounted() and (self.path / "s" / "new").exists()
-        except OSError:
-            return False
-
-    def mounted(self) -> bool:
-        with open("/proc/self/mountinfo") as f:
-            return any(f" {self.path} " in line and "fuse" in line for line in f)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        if self.mounted():
-            subprocess.run(["fusermount3", "-uz", str(self.path)], check=False)
-
-    def crash(self) -> None:
-        """SIGKILL the daemon and leave the dead mount behind, as a real crash does."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-        self.proc = None
-
-    def stderr(self) -> str:
-        return (self.base / "daemon.stderr").read_text(errors="replace")
-
-    def check_log(self) -> None:
-        bad = [
-            line
-            for line in self.stderr().splitlines()
-            if (" ERROR " in line or "Traceback" in line)
-            and not any(a in line for a in self.allowed_errors)
-        ]
-        assert not bad, "daemon logged errors:\n" + "\n".join(bad)
-
-    # ---- file helpers ---------------------------------------------------------------
-
-    def p(self, rel: str) -> Path:
-        return self.path / rel
-
-    def read(self, rel: str) -> str:
-        with deadline(20):
-            return self.p(rel).read_text()
-
-    def snapshot(self, rel: str) -> str:
-        """What a blocking file holds now: read with O_NONBLOCK up to EAGAIN."""
-        fd = os.open(self.p(rel), os.O_RDONLY | os.O_NONBLOCK)
-        out = b""
-        try:
-            while True:
-                try:
-                    chunk = os.read(fd, 1 << 20)
-                except BlockingIOError:
-                    return out.decode()
-                if not chunk:
-                    return out.decode()
-                out += chunk
-        finally:
-            os.close(fd)
-
-    def write(self, rel: str, data: str) -> None:
-        """One write(2), like ``echo`` does; raises the OSError the daemon answered."""
-        fd = os.open(self.p(rel), os.O_WRONLY | os.O_TRUNC)
-        try:
-            os.write(fd, data.encode())
-        finally:
-            os.close(fd)
-
-    def new(self, **kw: str) -> str:
-        kw.setdefault("cwd", str(self.work))
-        fd = os.open(self.p("s/new"), os.O_RDWR)
-        try:
-            os.write(fd, " ".join(f"{k}={v}" for k, v in kw.items()).encode())
-            return os.pread(fd, 4096, 0).decode().strip()
-        finally:
-            os.close(fd)
-
-    def prompt(self, sid: str, text: str) -> None:
-        self.write(f"s/{sid}/prompt", text)
-
-    def wait_state(self, sid: str, want: str, timeout: float = 20) -> None:
-        """Wait for a state through ``statewait`` (no lost wake-ups: open, then check)."""
-        with deadline(timeout):
-            while True:
-                with open(self.p(f"s/{sid}/statewait")) as w:
-                    if self.read(f"s/{sid}/state").strip() == want:
-                        return
-                    w.read()
-
-    def wait_idle(self, sid: str) -> None:
-        """Wait until the session ran every queued prompt and is idle."""
-        self.wait_state(sid, "idle")
-
-    def wait_chat(self, sid: str, needle: str, timeout: float = 20) -> str:
-        """Follow ``stream`` until ``needle`` appears; returns the chat up to there."""
-        with deadline(timeout), open(self.p(f"s/{sid}/stream"), "rb") as f:
-            seen = b""
-            while needle.encode() not in seen:
-                chunk = f.read1(65536)
-                if not chunk:
-                    raise AssertionError(f"stream ended before {needle!r}: {seen!r}")
-                seen += chunk
-            return seen.decode()
 
 
 @pytest.fixture
@@ -252,13 +61,13 @@ def daemon(tmp_path: Path, replay: ReplayServer) -> Iterator[Daemon]:
     d.check_log()
 
 
-def oserror(fn: object, *args: object) -> int:
+def oserror(fn: Callable[..., object], *args: object) -> int:
     """Run ``fn(*args)`` and return the errno it failed with (0 if it did not fail)."""
     try:
-        fn(*args)  # type: ignore[operator]
+        fn(*args)
     except OSError as err:
         return err.errno or -1
     return 0
 
 
-__all__ = ["Daemon", "deadline", "errno", "needs_fuse", "oserror", "script"]
+__all__ = ["Daemon", "deadline", "oserror", "script"]

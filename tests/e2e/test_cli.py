@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from olliefs.replay import ReplayServer
-from tests.conftest import HAVE_FUSE
+from olliefs.testing import HAVE_FUSE
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse (mounts for real)")
 
