@@ -100,8 +100,8 @@ class Operations(pyfuse3.Operations):
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
         a.st_blksize = 4096
         a.st_blocks = (a.st_size + 511) // 512
-        a.entry_timeout = 0
-        a.attr_timeout = 0
+        a.entry_timeout = node.entry_ttl
+        a.attr_timeout = node.attr_ttl
         return a
 
     def _fh(self, handle: Handle) -> int:

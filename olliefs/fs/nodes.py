@@ -61,6 +61,14 @@ class Open:
 class Node:
     key: Hashable
     perm: int = 0o444
+    # How long the kernel may keep this name -> node lookup. Names declared in spec.py
+    # never change while their parent exists; session directories come and go.
+    entry_ttl: float = 1.0
+    # How long the kernel may keep the attributes. Files: never (their size changes all
+    # the time and ``tail -f`` needs the real one). Directories: their attributes do not
+    # change, and with default_permissions the kernel checks every directory of a path on
+    # every walk, so caching them saves a round trip per path component.
+    attr_ttl: float = 0.0
 
     @property
     def mode(self) -> int:
@@ -107,6 +115,7 @@ class File(Node):
 
 class Dir(Node):
     perm = 0o555
+    attr_ttl = 1.0
 
     @property
     def mode(self) -> int:

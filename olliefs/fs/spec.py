@@ -72,7 +72,13 @@ def session_files(s: Session) -> dict[str, Node]:
 
 
 class SessionDir(StaticDir):
-    """``s/<id>/``: unlink inside succeeds and does nothing, so ``rm -r`` reaches rmdir."""
+    """``s/<id>/``: unlink inside succeeds and does nothing, so ``rm -r`` reaches rmdir.
+
+    Its name is looked up afresh every time (``entry_ttl`` 0): ``ctl rn`` and ``ctl kill``
+    change it behind the kernel's back.
+    """
+
+    entry_ttl = 0.0
 
     def unlink(self, name: str) -> None:
         pass
