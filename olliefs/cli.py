@@ -88,6 +88,18 @@ def preflight(mnt: str, p: Paths, *, create_default: bool) -> None:
     running = _daemon_pid(p)
     if running:
         raise CliError(f"already mounted at {running[1]} (daemon pid {running[0]})")
+    if _mounts().get(mnt, "").startswith("fuse"):
+        # A dead daemon's mount can still answer stat from the kernel's attribute cache;
+        # listing it always reaches the daemon, and fails with ENOTCONN when it is gone.
+        try:
+            os.listdir(mnt)
+        except OSError as err:
+            if err.errno != errno.ENOTCONN:
+                raise CliError(f"mount point {mnt}: {err.strerror}") from None
+            _clear_stale(mnt)
+            print(f"{PROG}: cleared a stale mount left at {mnt} by a dead daemon", file=sys.stderr)
+        else:
+            raise CliError(f"{mnt} is already a FUSE mount point")
     try:
         st = os.stat(mnt)
     except FileNotFoundError:
@@ -96,15 +108,9 @@ def preflight(mnt: str, p: Paths, *, create_default: bool) -> None:
         os.makedirs(mnt, exist_ok=True)
         st = os.stat(mnt)
     except OSError as err:
-        if err.errno != errno.ENOTCONN:
-            raise CliError(f"mount point {mnt}: {err.strerror}") from None
-        _clear_stale(mnt)
-        print(f"{PROG}: cleared a stale mount left at {mnt} by a dead daemon", file=sys.stderr)
-        st = os.stat(mnt)
+        raise CliError(f"mount point {mnt}: {err.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise CliError(f"mount point is not a directory: {mnt}")
-    if _mounts().get(mnt, "").startswith("fuse"):
-        raise CliError(f"{mnt} is already a FUSE mount point")
     if os.listdir(mnt):
         raise CliError(f"mount point is not empty: {mnt}")
 
