@@ -34,6 +34,9 @@ def deadline(seconds: float) -> Iterator[None]:
     def on_alarm(signum: int, frame: FrameType | None) -> None:
         raise TimeoutError(f"no result within {seconds}s")
 
+    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        yield  # an outer deadline is already running; it stays in force
+        return
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:

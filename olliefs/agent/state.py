@@ -10,12 +10,16 @@ class StateCell:
 
     def __init__(self, value: str = "idle") -> None:
         self.value = value
+        # Counts changes, so a waiter sees idle -> thinking -> idle as a change even if it
+        # looks only after the state came back (no lost wake-up).
+        self.version = 0
         self._lot = trio.lowlevel.ParkingLot()
 
     def set(self, value: str) -> bool:
         if value == self.value:
             return False
         self.value = value
+        self.version += 1
         self._lot.unpark_all()
         return True
 

@@ -323,18 +323,17 @@ class StateWaitHandle(Handle):
     def __init__(self, cell: StateCell, gone: Callable[[], bool], how: Open) -> None:
         self.cell = cell
         self.gone = gone
-        self.ref = cell.value
+        self.ref = cell.version
         self.how = how
         self.done = False
 
     async def read(self, off: int, size: int) -> bytes:
         if self.done:
             return b""
-        await wait_until(
-            lambda: self.cell.value != self.ref or self.gone(), self.cell.wait, self.how
-        )
+        cell = self.cell
+        await wait_until(lambda: cell.version != self.ref or self.gone(), cell.wait, self.how)
         self.done = True
-        if self.cell.value == self.ref:
+        if cell.version == self.ref:
             return b""  # the session went away
         return (self.cell.value + "\n").encode()[:size]
 

@@ -224,6 +224,7 @@ class Session:
         await self.sync()
         self.queue.append((seq, text))
         self._queue_lot.unpark_all()
+        self.set_state("thinking")  # running or queued, as soon as it is acknowledged
 
     async def sync(self) -> None:
         await trio.to_thread.run_sync(self.journal.sync)
