@@ -33,7 +33,7 @@ def replay() -> Iterator[ReplayServer]:
 def daemon_factory(tmp_path: Path, replay: ReplayServer) -> Iterator[Callable[..., Daemon]]:
     """Make daemons (not started) on one home: for restart and crash tests."""
     if not HAVE_FUSE:
-        pytest.skip("needs /dev/fuse (this test mounts a real FUSE filesystem)")
+        pytest.skip(reason="needs /dev/fuse (this test mounts a real FUSE filesystem)")
     made: list[Daemon] = []
 
     def make(**env: str) -> Daemon:
@@ -51,7 +51,7 @@ def daemon_factory(tmp_path: Path, replay: ReplayServer) -> Iterator[Callable[..
 @pytest.fixture
 def daemon(tmp_path: Path, replay: ReplayServer) -> Iterator[Daemon]:
     if not HAVE_FUSE:
-        pytest.skip("needs /dev/fuse (this test mounts a real FUSE filesystem)")
+        pytest.skip(reason="needs /dev/fuse (this test mounts a real FUSE filesystem)")
     d = Daemon(tmp_path, replay, {})
     d.start()
     try:
