@@ -118,6 +118,16 @@ class Daemon:
         if self.mounted():
             subprocess.run(["fusermount3", "-uz", str(self.path)], check=False)
 
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Daemon]:
+        """Started for the block, stopped after it; then its log must hold no error."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+        self.check_log()
+
     def crash(self) -> None:
         """SIGKILL the daemon and leave the dead mount behind, as a real crash does."""
         assert self.proc is not None

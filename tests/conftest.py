@@ -52,13 +52,8 @@ def daemon_factory(tmp_path: Path, replay: ReplayServer) -> Iterator[Callable[..
 def daemon(tmp_path: Path, replay: ReplayServer) -> Iterator[Daemon]:
     if not HAVE_FUSE:
         pytest.skip(reason="needs /dev/fuse (this test mounts a real FUSE filesystem)")
-    d = Daemon(tmp_path, replay, {})
-    d.start()
-    try:
+    with Daemon(tmp_path, replay, {}).running() as d:
         yield d
-    finally:
-        d.stop()
-    d.check_log()
 
 
 def oserror(fn: Callable[..., object], *args: object) -> int:

@@ -45,12 +45,6 @@ def session_files(s: Session) -> dict[str, Node]:
     def text(name: str, render: Callable[[], str]) -> Text:
         return Text(("s", u, name), render, live)
 
-    def ctl(text: str) -> None:
-        s.ctl(text)
-
-    def cfg(text: str) -> None:
-        s.write_cfg(text)
-
     return {
         "prompt": PromptIn(("s", u, "prompt"), s.submit, live=live),
         "prompt.prev": text("prompt.prev", lambda: s.prompt_prev + ("\n" if s.prompt_prev else "")),
@@ -59,8 +53,8 @@ def session_files(s: Session) -> dict[str, Node]:
         "events": LogFile(("s", u, "events"), s.events, blocking=True),
         "state": text("state", lambda: s.state.value + "\n"),
         "statewait": StateWait(("s", u, "statewait"), s.state, lambda: s.closed),
-        "cfg": Control(("s", u, "cfg"), cfg, s.cfg_text, perm=0o666, live=live),
-        "ctl": Control(("s", u, "ctl"), ctl, live=live),
+        "cfg": Control(("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live),
+        "ctl": Control(("s", u, "ctl"), s.ctl, live=live),
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
         "usage": text("usage", s.history.totals.usage_text),
         "cost": text("cost", s.history.totals.cost_text),

@@ -210,11 +210,13 @@ class Registry:
         log.info("restored %d sessions", len(self.sessions))
 
     async def aclose(self) -> None:
+        """Close every session and backend; safe to call again (signal, then shutdown)."""
         for s in list(self.sessions.values()):
             s.close()
         self.events.close()
-        for b in self._backends.values():
-            with trio.CancelScope(shield=True):
+        backends, self._backends = list(self._backends.values()), {}
+        with trio.CancelScope(shield=True):
+            for b in backends:
                 await b.aclose()
 
 

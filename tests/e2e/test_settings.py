@@ -24,8 +24,7 @@ def test_env_file_settings_and_key(tmp_path: Path) -> None:
             f"# defaults\nOLLIE_OPENAI_URL={srv.url.removesuffix('/v1')}\n"
             "export OLLIE_OPENAI_KEY='sk-from-env-file'\nOLLIE_MODEL=from-file\n"
         )
-        d.start()
-        try:
+        with d.running():
             d.new(name="e")
             assert "model=from-file\n" in d.read("s/e/cfg")
             d.prompt("e", "hi")
@@ -35,38 +34,25 @@ def test_env_file_settings_and_key(tmp_path: Path) -> None:
                 for f in ("chat", "cfg", "env", "context"):
                     if f in files:
                         assert "sk-from-env-file" not in Path(dirpath, f).read_text()
-        finally:
-            d.stop()
-        d.check_log()
 
 
 def test_wrong_key_is_an_error_line_not_a_crash(tmp_path: Path) -> None:
     with ReplayServer(key="right") as srv:
-        d = Daemon(tmp_path, srv, {"OLLIE_OPENAI_KEY": "wrong"})
-        d.start()
-        try:
+        with Daemon(tmp_path, srv, {"OLLIE_OPENAI_KEY": "wrong"}).running() as d:
             d.new(name="k")
             d.prompt("k", "hi")
             d.wait_idle("k")
             last = d.read("s/k/chat").splitlines()[-1]
             assert last.startswith("error: ") and "401" in last and "wrong" not in last
-        finally:
-            d.stop()
-        d.check_log()
 
 
 def test_hanging_backend_ends_the_turn(tmp_path: Path) -> None:
     with ReplayServer() as srv:
         srv.add(script(*['{"hang": true}'] * 4))
-        d = Daemon(tmp_path, srv, {"OLLIE_READ_TIMEOUT": "0.2"})
-        d.start()
-        try:
+        with Daemon(tmp_path, srv, {"OLLIE_READ_TIMEOUT": "0.2"}).running() as d:
             d.new(name="h")
             d.prompt("h", "hi")
             d.wait_idle("h")
             chat = d.read("s/h/chat")
             assert chat.count("retrying in ") == 3
             assert chat.splitlines()[-1].startswith("error: ")
-        finally:
-            d.stop()
-        d.check_log()
