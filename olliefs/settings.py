@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,14 +119,24 @@ def shipped_dir() -> Path:
 
 
 def install_defaults(p: Paths) -> None:
-    """Copy shipped defaults into the config dir where the user has no file of that name."""
+    """Copy shipped defaults into the config dir where the user has no file of that name.
+
+    Tool scripts keep their mode (they must stay executable). toolsrv also searches the
+    shipped dir after the config dir, so a default the user deleted still works.
+    """
     src = shipped_dir()
-    for sub, dest in (("profiles", p.config / "agents"),):
+    for sub, dest in (
+        ("profiles", p.config / "agents"),
+        ("tools", p.config / "tools"),
+        ("sandbox", p.config / "sandbox"),
+    ):
         dest.mkdir(parents=True, exist_ok=True)
+        if not (src / sub).is_dir():
+            continue
         for f in sorted((src / sub).iterdir()):
             target = dest / f.name
-            if f.is_file() and not target.exists():
-                target.write_bytes(f.read_bytes())
+            if f.is_file() and not f.name.startswith((".", "_")) and not target.exists():
+                shutil.copy2(f, target)
 
 
 def agent_names(p: Paths) -> set[str]:

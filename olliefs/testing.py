@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from types import FrameType
 
 from olliefs.replay import ReplayServer
+from olliefs.toolclient.client import ToolsrvConn, connect
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK)
 
@@ -201,6 +204,14 @@ class Daemon:
                         return
                     w.read()
 
+    def wait_for(self, cond: Callable[[], bool], timeout: float = 20) -> None:
+        """Wait for something outside the mount (a file a tool wrote, a pid gone)."""
+        end = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > end:
+                raise AssertionError("condition not met in time")
+            time.sleep(0.01)
+
     def wait_idle(self, sid: str) -> None:
         """Wait until the session ran every queued prompt and is idle."""
         self.wait_state(sid, "idle")
@@ -215,3 +226,80 @@ class Daemon:
                     raise AssertionError(f"stream ended before {needle!r}: {seen!r}")
                 seen += chunk
             return seen.decode()
+
+
+class ToolsrvProc:
+    def __init__(self, base: Path, *, tools_dirs: tuple[Path, ...] = ()) -> None:
+        self.base = base
+        self.socket = str(base / "toolsrv.sock")
+        self.tmp_root = base / "tooltmp"
+        self.log_path = base / "toolsrv.log"
+        self.key = secrets.token_bytes(32)
+        self.tools_dirs = tools_dirs
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "toolsrv", "--socket", self.socket]
+        argv += ["--tmp-dir", str(self.tmp_root), "--exit-with-stdin", "--log-level", "DEBUG"]
+        for d in self.tools_dirs:
+            argv += ["--tools-dir", str(d)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
+            )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(self.key.hex().encode() + b"\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if line != b"ready\n":
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"toolsrv did not start:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("toolsrv did not exit when its stdin closed") from None
+        finally:
+            if self.proc is not None and self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self.proc = None
+
+    def check_log(self) -> None:
+        bad = [
+            line
+            for line in self.log().splitlines()
+            if " ERROR " in line or " CRITICAL " in line or "Traceback" in line
+        ]
+        assert not bad, "toolsrv logged errors:\n" + "\n".join(bad)
+
+    @asynccontextmanager
+    async def agent(self, agent_id: str, *tools: str) -> AsyncIterator[ToolsrvConn]:
+        async with connect(self.socket, self.key, agent_id) as conn:
+            if tools:
+                await conn.ctl("".join(f"load {t}\n" for t in tools))
+            yield conn
+
+
+@contextmanager
+def running_toolsrv(base: Path, **kw: tuple[Path, ...]) -> Iterator[ToolsrvProc]:
+    t = ToolsrvProc(base, **kw)
+    t.start()
+    try:
+        yield t
+    finally:
+        t.stop()
+    t.check_log()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from olliefs.backend.base import Message, Usage
 
 
@@ -62,3 +64,27 @@ class History:
 
     def estimate(self) -> int:
         return sum(estimate_tokens(message_text(m)) for m in self.messages)
+
+    def for_model(self) -> list[Message]:
+        """The messages as the model gets them: cold tool results collapsed (SPEC 4).
+
+        A cold result (``file_read``, ``memory_recall``) is shown verbatim to the model for
+        the one request that follows it; once the model has answered after it, it is
+        replaced by a one-line summary in every later request. The history itself keeps
+        the full text (``context`` shows it, compaction may use it).
+        """
+        last_assistant = max(
+            (i for i, m in enumerate(self.messages) if m.role == "assistant"), default=-1
+        )
+        out: list[Message] = []
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and m.tier == "cold" and i < last_assistant:
+                m = msgspec.structs.replace(m, content=collapse(m))
+            out.append(m)
+        return out
+
+
+def collapse(m: Message) -> str:
+    lines = m.content.count("\n") + 1 if m.content else 0
+    size = len(m.content.encode())
+    return f"[{m.name} result collapsed: {lines} lines, {size} bytes; call it again to see it]"

@@ -4,8 +4,11 @@ The turn runs inside the session's cancel scope, so ``stop`` cancels it wherever
 in the HTTP stream, in a retry back-off, in a tool. A reply cut by ``stop`` is kept, both
 in ``chat`` (already streamed there) and in the history, so the model sees what it said.
 
-Tools arrive with toolsrv; until then every call the model makes is answered with an
-"unknown tool" error result, exactly as a call to a tool that is not loaded would be.
+Tool calls go through ``dispatch.run_tools`` to toolsrv. Before the first request and
+after every tool round the agent's ``ToolLink`` is refreshed: pending ``tool_load`` /
+``tool_unload`` are pushed and, when toolsrv's ``agent/rev`` moved, the schemas and the
+preamble are rebuilt, so a tool loaded by the model in one round is callable in the next.
+If toolsrv cannot be reached the turn goes on without tools (the error is shown once).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from typing import Protocol
 import msgspec
 import trio
 
+from olliefs.agent.cache import ReadCache
 from olliefs.agent.chat import format_seconds
 from olliefs.agent.cost import request_cost
+from olliefs.agent.dispatch import ToolHost, run_tools
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History, estimate_tokens
 from olliefs.agent.retry import RetryPolicy
@@ -30,11 +35,12 @@ from olliefs.backend.base import (
     ToolCall,
     Usage,
 )
+from olliefs.toolclient.client import ToolsrvError
 
 log = logging.getLogger(__name__)
 
 
-class TurnHost(Protocol):
+class TurnHost(ToolHost, Protocol):
     """What a turn needs from the session that runs it."""
 
     history: History
@@ -58,25 +64,33 @@ class TurnHost(Protocol):
 
     def add_usage(self, usage: Usage, cost: float, estimated: bool) -> None: ...
 
+    def request_messages(self) -> list[Message]: ...
+
+    async def checkpoint(self) -> None: ...
+
 
 async def run_turn(host: TurnHost, prompt: str) -> None:
     host.set_state("thinking")
     host.add_message(Message("user", prompt))
+    cache = ReadCache()
+    await refresh_tools(host)
     for _ in range(host.max_steps):
         reply = await stream_reply(host)
         host.add_message(reply)
         if not reply.tool_calls:
             return
-        for call in reply.tool_calls:
-            run_unknown_tool(host, call)
+        await run_tools(host, reply.tool_calls, cache)
+        await refresh_tools(host)
+        await host.checkpoint()
     host.emit("maxsteps", f"stopped after {host.max_steps} steps without a final answer")
 
 
-def run_unknown_tool(host: TurnHost, call: ToolCall) -> None:
-    host.emit("call", call.arguments, name=call.name)
-    result = f"error: unknown tool {call.name!r}: no tools are loaded in this session"
-    host.emit("tool", result, name=call.name)
-    host.add_message(Message("tool", result, tool_call_id=call.id, name=call.name))
+async def refresh_tools(host: TurnHost) -> None:
+    try:
+        await host.link.refresh()
+    except ToolsrvError as err:
+        log.warning("%s", err)
+        host.emit("error", f"{err} (going on without tools)")
 
 
 async def stream_reply(host: TurnHost) -> Message:
@@ -89,7 +103,7 @@ async def stream_reply(host: TurnHost) -> Message:
         usage: Usage | None = None
         try:
             async with host.backend().stream(
-                host.model, host.history.messages, [], host.params()
+                host.model, host.request_messages(), host.link.tools, host.params()
             ) as events:
                 async for ev in events:
                     if ev.kind == "content":

@@ -44,6 +44,9 @@ class Message(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
     name: str = ""
+    # Tool results only: how the result ages in the context (SPEC 4 result tiers). Never
+    # sent to a provider; the wire formats pick their fields explicitly.
+    tier: str = ""
 
 
 class Tool(msgspec.Struct, frozen=True):

@@ -7,6 +7,7 @@ here plus the runtime method it calls.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 from olliefs.fs.nodes import (
@@ -31,6 +32,7 @@ olliefs: an LLM agent runtime whose interface is this file tree.
   cat s/demo/stream                    follow it live (Ctrl-C to leave)
   cat s/demo/chat                      the conversation so far
   echo stop > s/demo/ctl               interrupt; also: kill rn backend model cwd clear
+  echo tool_load file_read > s/demo/ctl  give the agent a tool (t/idx lists them all)
   cat s/demo/statewait                 wait for the state to change
   rm -r s/demo                         end it (its journal goes to the transcripts)
 
@@ -61,6 +63,8 @@ def session_files(s: Session) -> dict[str, Node]:
         "ctxsz": text("ctxsz", s.ctxsz_text),
         "context": text("context", s.context_text),
         "env": text("env", s.env_text),
+        "tools": text("tools", s.tools_text),
+        "systemprompt": text("systemprompt", s.systemprompt_text),
         "tail": Script(("s", u, "tail"), s.tail_script, live),
     }
 
@@ -120,6 +124,29 @@ class SessionsDir(Dir):
         self.reg.rename(self.reg.get(old), new)
 
 
+def tools_dir(reg: Registry) -> Dir:
+    """``t/``: the tool scripts (read-only here) and the synthetic ``idx``."""
+
+    def entries() -> dict[str, Node]:
+        out: dict[str, Node] = {"idx": Text(("t", "idx"), reg.tools_idx_text)}
+        for name, info in sorted(reg.local_tools.tools().items()):
+            out[os.path.basename(info.path)] = Text(("t", name), _reader(info.path))
+        return out
+
+    return StaticDir(("t",), entries)
+
+
+def _reader(path: str) -> Callable[[], str]:
+    def read() -> str:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    return read
+
+
 def root(reg: Registry) -> Dir:
     sessions = SessionsDir(reg)
     return StaticDir(
@@ -129,5 +156,6 @@ def root(reg: Registry) -> Dir:
             "help": Text(("help",), lambda: HELP),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,
+            "t": tools_dir(reg),
         },
     )

@@ -80,7 +80,15 @@ class Clear(msgspec.Struct, tag="clear"):
     pass
 
 
-Record = Create | Prompt | Start | End | Ev | Msg | UsageRec | TurnCost | Cfg | Rename | Clear
+class Tools(msgspec.Struct, tag="tools"):
+    """The agent's loaded tools after a ``tool_load`` / ``tool_unload`` (the whole list)."""
+
+    names: list[str]
+
+
+Record = (
+    Create | Prompt | Start | End | Ev | Msg | UsageRec | TurnCost | Cfg | Rename | Clear | Tools
+)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)

@@ -8,7 +8,9 @@ import secrets
 import shutil
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import trio
 
 from olliefs.agent.chat import GrowingLog
@@ -17,7 +19,13 @@ from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
 from olliefs.session import persist
 from olliefs.session.session import Session, journal_path, resolve_cwd
-from olliefs.settings import Paths, agent_names
+from olliefs.settings import Paths, agent_names, shipped_dir
+from olliefs.toolclient.spawn import Toolsrv
+from toolsrv import registry as tools_registry
+from toolsrv.protocol import ToolMeta
+
+if TYPE_CHECKING:
+    from olliefs.agent.runtime import ToolLink
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,12 @@ class Registry:
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
         self.default_model = settings.get("OLLIE_MODEL") or DEFAULT_MODEL
+        self.toolsrv = Toolsrv(paths, self.settings, nursery)
+        # The daemon's own view of the tool dirs, for t/ and for checking tool_load names
+        # before toolsrv is asked (the same dirs a local toolsrv serves).
+        self.local_tools = tools_registry.Registry(
+            [paths.config / "tools", shipped_dir() / "tools"]
+        )
 
     # ---- backends and profiles ------------------------------------------------------
 
@@ -80,6 +94,50 @@ class Registry:
     def check_agent(self, name: str) -> None:
         if name not in agent_names(self.paths):
             raise InvalidRequest(f"unknown agent profile: {name}")
+
+    def profile(self, agent: str) -> dict[str, Any]:
+        """The profile's JSON (config dir first, then shipped); {} when unreadable."""
+        for d in (self.paths.config / "agents", shipped_dir() / "profiles"):
+            try:
+                data = msgspec.json.decode((d / f"{agent}.json").read_bytes())
+            except FileNotFoundError:
+                continue
+            except (OSError, msgspec.DecodeError) as err:
+                log.warning("profile %s: %s", agent, err)
+                return {}
+            return data if isinstance(data, dict) else {}
+        return {}
+
+    def profile_tools(self, agent: str) -> list[str]:
+        tools = self.profile(agent).get("tools", ["client_9p"])
+        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+            log.warning("profile %s: tools must be a list of names", agent)
+            return ["client_9p"]
+        return list(dict.fromkeys(tools))
+
+    def profile_prompt(self, agent: str) -> str:
+        prompt = self.profile(agent).get("prompt", "")
+        return prompt if isinstance(prompt, str) else ""
+
+    def tool_meta(self, name: str) -> ToolMeta | None:
+        info = self.local_tools.tools().get(name)
+        if info is None:
+            return None
+        return ToolMeta(
+            info.name, info.description, info.tier, info.parallel, info.timeout, info.sandbox
+        )
+
+    def known_tools(self, link: ToolLink) -> set[str]:
+        return set(link.catalogue) | set(self.local_tools.tools())
+
+    def tools_idx_text(self) -> str:
+        """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated."""
+        out = []
+        for name, info in sorted(self.local_tools.tools().items()):
+            args = msgspec.json.encode(info.args).decode()
+            flag = "parallel" if info.parallel else "serial"
+            out.append(f"{name}\t{info.description}\t{args}\t{info.tier}\t{flag}\n")
+        return "".join(out)
 
     def check_new_name(self, name: str) -> None:
         if not NAME_RE.fullmatch(name) or name in RESERVED:
@@ -214,6 +272,7 @@ class Registry:
         for s in list(self.sessions.values()):
             s.close()
         self.events.close()
+        await self.toolsrv.aclose()
         backends, self._backends = list(self._backends.values()), {}
         with trio.CancelScope(shield=True):
             for b in backends:

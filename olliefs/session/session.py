@@ -24,10 +24,12 @@ import msgspec
 import trio
 
 from olliefs.agent.chat import ChatRenderer, GrowingLog
+from olliefs.agent.dispatch import tool_env
 from olliefs.agent.events import Event, EventRole, encode_line
 from olliefs.agent.history import History
 from olliefs.agent.loop import run_turn
 from olliefs.agent.retry import RetryPolicy
+from olliefs.agent.runtime import ToolLink, preamble
 from olliefs.agent.state import StateCell
 from olliefs.backend.base import Backend, BackendError, GenerationParams, Message, Usage
 from olliefs.errors import Busy, InvalidRequest
@@ -119,6 +121,9 @@ class Session:
         self.closed = False
         self.context_length = registry.default_context_length
         self._replaying = False
+        self._pending_tools: list[str] = []
+        self.link = ToolLink(registry.toolsrv, uid, registry.profile_tools(agent))
+        self.link.on_dropped = self._tool_dropped
 
     # ---- identity and derived texts -------------------------------------------------
 
@@ -170,6 +175,45 @@ class Session:
     def tail_script(self) -> str:
         # Relative to the script itself, so it keeps working after a rename.
         return '#!/bin/sh\n# follow this session live\nexec cat "$(dirname "$0")/stream"\n'
+
+    def tools_text(self) -> str:
+        """``tools``: the loaded tools, with tier and parallel flag (SPEC 3.3)."""
+        lines = []
+        for name in self.link.wanted:
+            meta = self.link.metas.get(name) or self.registry.tool_meta(name)
+            if meta is None:
+                lines.append(f"{name}\t?\t?\n")
+            else:
+                flag = "parallel" if meta.parallel else "serial"
+                lines.append(f"{name}\t{meta.tier}\t{flag}\n")
+        return "".join(lines)
+
+    def systemprompt_text(self) -> str:
+        return preamble(
+            session_id=self.id,
+            cwd=self.cwd,
+            profile_prompt=self.registry.profile_prompt(self.agent),
+            link=self.link,
+        )
+
+    def request_messages(self) -> list[Message]:
+        return [Message("system", self.systemprompt_text()), *self.history.for_model()]
+
+    def tool_env(self) -> dict[str, str]:
+        return tool_env(
+            mountpoint=self.registry.mountpoint,
+            session_id=self.id,
+            agent=self.agent,
+            cwd=self.cwd,
+            memory_dir=str(self.registry.paths.data / "memory"),
+        )
+
+    def results_dir(self) -> Path:
+        return self.registry.toolsrv.tmp_root / self.id / "results"
+
+    async def checkpoint(self) -> None:
+        """After each tool round: the journal reaches the disk (SPEC 4 persistence)."""
+        await self.sync()
 
     def idx_line(self) -> str:
         return f"{self.id}\t{self.state.value}\t{self.cwd}\t{self.backend_name}\t{self.model}\n"
@@ -232,11 +276,16 @@ class Session:
     async def run(self) -> None:
         """The session's life: run queued prompts one at a time until it is killed."""
         with self._scope:
-            while True:
-                while not self.queue:
-                    await self._queue_lot.park()
-                seq, text = self.queue.popleft()
-                await self._run_one(seq, text)
+            async with trio.open_nursery() as nursery:
+                self.link.bind(nursery)  # the toolsrv connection lives in here
+                try:
+                    while True:
+                        while not self.queue:
+                            await self._queue_lot.park()
+                        seq, text = self.queue.popleft()
+                        await self._run_one(seq, text)
+                finally:
+                    self.link.close()
 
     async def _run_one(self, seq: int, text: str) -> None:
         self._running_seq = seq
@@ -275,6 +324,7 @@ class Session:
         self.closed = True
         self.stop()
         self._scope.cancel()
+        self.link.close()
         self.chat.close()
         self.events.close()
         self.state.wake()
@@ -324,6 +374,21 @@ class Session:
             path = resolve_cwd(need_arg())
             self._busy("cwd")
             return lambda: self._set_cfg({"cwd": path})
+        if cmd in ("tool_load", "tool_unload"):
+            name = need_arg()
+            wanted = self._pending_tools
+            if cmd == "tool_load":
+                if name not in self.registry.known_tools(self.link):
+                    raise InvalidRequest(f"tool_load: unknown tool: {name}")
+                if name in wanted:
+                    return lambda: None
+                wanted.append(name)
+            else:
+                if name not in wanted:
+                    raise InvalidRequest(f"tool_unload: not loaded: {name}")
+                wanted.remove(name)
+            verb = "loaded" if cmd == "tool_load" else "unloaded"
+            return lambda: self._set_tools(list(wanted), f"tool {name} {verb}")
         if cmd == "clear":
             no_arg()
             self._busy("clear")
@@ -333,7 +398,19 @@ class Session:
         raise InvalidRequest(f"unknown command: {cmd}")
 
     def ctl(self, text: str) -> None:
+        # tool_load/unload lines of one write build on each other (load a, then unload a).
+        self._pending_tools = list(self.link.wanted)
         self._apply_all(text, self._prepare_ctl)
+
+    def _set_tools(self, names: list[str], info: str) -> None:
+        """The loaded tools changed; toolsrv learns it at the next refresh of the link."""
+        self.record(persist.Tools(names))
+        self.link.set_wanted(names)
+        self.emit("info", info)
+
+    def _tool_dropped(self, name: str, why: str) -> None:
+        self.record(persist.Tools(list(self.link.wanted)))
+        self.emit("error", f"tool {name} unloaded: {why}")
 
     def write_cfg(self, text: str) -> None:
         self._apply_all(text, self._prepare_cfg)
@@ -406,6 +483,20 @@ class Session:
             if announce:
                 self.emit("info", f"{key} set to {'(unset)' if value is None else value}")
 
+    def _answer_open_calls(self, why: str) -> None:
+        """Tool calls of the last assistant message left without an answer get one, so
+        the history stays valid for the provider (every call answered)."""
+        msgs = self.history.messages
+        last = max((i for i, m in enumerate(msgs) if m.role == "assistant"), default=-1)
+        if last < 0:
+            return
+        answered = {m.tool_call_id for m in msgs[last + 1 :] if m.role == "tool"}
+        for call in msgs[last].tool_calls:
+            if call.id not in answered:
+                self.add_message(
+                    Message("tool", f"[tool error] {why}", tool_call_id=call.id, name=call.name)
+                )
+
     def _clear(self) -> None:
         self.record(persist.Clear())
         self.history.clear()
@@ -446,10 +537,13 @@ class Session:
                     self.id = rec.id
                 elif isinstance(rec, persist.Clear):
                     self.history.clear()
+                elif isinstance(rec, persist.Tools):
+                    self.link.set_wanted(rec.names)
         finally:
             self._replaying = False
         for seq in sorted(started - ended):
             # A turn cut by a crash: closed, never re-run (SPEC 3.7).
+            self._answer_open_calls("interrupted by restart before the tool ended")
             self.emit("info", "interrupted by restart")
             self.renderer.end_turn()
             self.record(persist.End(seq))

@@ -181,7 +181,8 @@ def test_reasoning_tool_calls_usage_and_cost(daemon: Daemon) -> None:
     assert (
         "user: read x\n<think>\nlet me think\n</think>\n"
         '-> file_read({"path":"x"})\n'
-        "error: unknown tool 'file_read': no tools are loaded in this session\n"
+        "[tool error] unknown tool 'file_read': not loaded (loaded: client_9p); "
+        "load it with tool_load file_read through ctl\n"
         "assistant: done\n"
     ) in chat
     assert daemon.read("s/t/usage") == "230 in, 25 out, 2 requests, 50 cached\n"
@@ -190,7 +191,7 @@ def test_reasoning_tool_calls_usage_and_cost(daemon: Daemon) -> None:
     sent = daemon.replay.requests[-1]["messages"]
     assert sent[-2]["role"] == "assistant" and sent[-2]["tool_calls"][0]["id"] == "c1"
     assert sent[-1]["role"] == "tool" and sent[-1]["tool_call_id"] == "c1"
-    assert sent[-1]["content"].startswith("error: unknown tool 'file_read'")
+    assert sent[-1]["content"].startswith("[tool error] unknown tool 'file_read'")
 
 
 def test_cost_from_the_price_table(daemon: Daemon) -> None:

@@ -35,7 +35,7 @@ def test_clean_restart_restores_everything(daemon_factory: Callable[..., Daemon]
     d.prompt("kept", "third")
     d.wait_idle("kept")
     assert d.replay.requests[-1]["temperature"] == 0.25
-    assert [m["content"] for m in d.replay.requests[-1]["messages"]] == [
+    assert [m["content"] for m in d.replay.requests[-1]["messages"][1:]] == [
         "first",
         "one",
         "second",

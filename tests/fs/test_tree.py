@@ -27,12 +27,14 @@ SESSION_FILES = {
     "ctxsz",
     "context",
     "env",
+    "tools",
+    "systemprompt",
     "tail",
 }
 
 
 def test_root(daemon: Daemon) -> None:
-    assert sorted(os.listdir(daemon.path)) == ["backends", "events", "help", "s"]
+    assert sorted(os.listdir(daemon.path)) == ["backends", "events", "help", "s", "t"]
     assert daemon.read("backends") == "openai\n"
     assert "s/new" in daemon.read("help")
     assert sorted(os.listdir(daemon.p("s"))) == ["idx", "new"]

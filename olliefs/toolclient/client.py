@@ -1,0 +1,153 @@
+"""One agent's authenticated connection to toolsrv (SPEC 5), over ``ninep.client``.
+
+``ToolsrvConn`` turns the file protocol into calls: ``metas()`` reads ``tools/``,
+``load``/``unload`` write ``agent/ctl``, ``rev()`` reads ``agent/rev`` and ``call()`` runs
+one tool through ``proc/new`` → ``proc/N/call`` → ``proc/N/result``.
+
+A ``call`` is cancellable: when the awaiting task is cancelled (a session ``stop``), the
+9P client flushes the pending ``result`` read and toolsrv kills the call's process group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import trio
+
+from ninep import NinePError
+from ninep.client import Client
+from ninep.codec import OREAD, OWRITE
+from toolsrv.protocol import CallRequest, CallResult, ToolMeta, agent_secret
+
+log = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+_result = msgspec.json.Decoder(CallResult)
+_meta = msgspec.json.Decoder(ToolMeta)
+_schema = msgspec.json.Decoder(dict[str, Any])
+
+
+class ToolsrvError(Exception):
+    """toolsrv refused or could not be reached; ``str()`` is fit for ``chat``."""
+
+
+class ToolsrvConn:
+    def __init__(self, client: Client, root: int, agent_id: str) -> None:
+        self.client = client
+        self.root = root
+        self.agent_id = agent_id
+
+    async def _read(self, path: str) -> bytes:
+        try:
+            return await self.client.read_all(self.root, path)
+        except NinePError as err:
+            raise ToolsrvError(f"toolsrv: {path}: {err.ename}") from None
+
+    async def names(self) -> list[str]:
+        try:
+            return sorted(st.name for st in await self.client.listdir(self.root, "tools"))
+        except NinePError as err:
+            raise ToolsrvError(f"toolsrv: tools/: {err.ename}") from None
+
+    async def meta(self, name: str) -> tuple[ToolMeta, dict[str, Any]]:
+        async with trio.open_nursery() as n:
+            got: dict[str, bytes] = {}
+
+            async def get(file: str) -> None:
+                got[file] = await self._read(f"tools/{name}/{file}")
+
+            n.start_soon(get, "meta")
+            n.start_soon(get, "schema")
+        return _meta.decode(got["meta"]), _schema.decode(got["schema"])
+
+    async def metas(self, names: list[str]) -> dict[str, tuple[ToolMeta, dict[str, Any]]]:
+        """Meta and schema of each name that exists (read concurrently)."""
+        out: dict[str, tuple[ToolMeta, dict[str, Any]]] = {}
+
+        async def one(name: str) -> None:
+            try:
+                out[name] = await self.meta(name)
+            except ToolsrvError as err:
+                log.info("%s", err)
+
+        async with trio.open_nursery() as n:
+            for name in names:
+                n.start_soon(one, name)
+        return {k: out[k] for k in names if k in out}
+
+    async def rev(self) -> int:
+        return int(await self._read("agent/rev"))
+
+    async def loaded(self) -> list[str]:
+        return (await self._read("agent/loaded")).decode().split()
+
+    async def ctl(self, text: str) -> None:
+        try:
+            await self.client.write_all(self.root, "agent/ctl", text.encode())
+        except NinePError as err:
+            raise ToolsrvError(f"toolsrv: {err.ename}") from None
+
+    async def call(
+        self, tool: str, args: Mapping[str, Any], cwd: str, env: Mapping[str, str]
+    ) -> CallResult:
+        """Run one tool; the result JSON of ``proc/N/result``.
+
+        Ten round trips: walk/open/read ``proc/new``; then ``call`` and ``result`` are
+        walked and opened side by side; write; read. Clunks are not waited for.
+        """
+        c = self.client
+        req = _json.encode(CallRequest(tool, dict(args), cwd, dict(env)))
+        try:
+            fid = await c.walk(self.root, ["proc", "new"])
+            try:
+                await c.open(fid, OREAD)
+                n = (await c.read(fid, 0, 32)).decode().strip()
+            finally:
+                c.clunk_nowait(fid)
+            fids: dict[str, int] = {}
+
+            async def prep(name: str, mode: int) -> None:
+                f = await c.walk(self.root, ["proc", n, name])
+                fids[name] = f
+                await c.open(f, mode)
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(prep, "call", OWRITE)
+                    nursery.start_soon(prep, "result", OREAD)
+                await c.write(fids["call"], 0, req)
+                return _result.decode(await self._read_result(fids["result"]))
+            finally:
+                for f in fids.values():
+                    c.clunk_nowait(f)
+        except NinePError as err:
+            raise ToolsrvError(f"toolsrv: {tool}: {err.ename}") from None
+
+    async def _read_result(self, fid: int) -> bytes:
+        # toolsrv answers the whole result in one read when it fits; a full read means
+        # there may be more.
+        chunk = self.client.iounit
+        buf = bytearray()
+        while True:
+            data = await self.client.read(fid, len(buf), chunk)
+            buf += data
+            if len(data) < chunk:
+                return bytes(buf)
+
+
+@asynccontextmanager
+async def connect(socket_path: str, key: bytes, agent_id: str) -> AsyncIterator[ToolsrvConn]:
+    """An attached connection for ``agent_id``; closed when the block ends."""
+    try:
+        async with Client.connect_unix(socket_path) as client:
+            try:
+                root = await client.attach(agent_id, agent_secret(key, agent_id))
+            except NinePError as err:
+                raise ToolsrvError(f"toolsrv: attach refused: {err.ename}") from None
+            yield ToolsrvConn(client, root, agent_id)
+    except OSError as err:
+        raise ToolsrvError(f"toolsrv unreachable at {socket_path}: {err.strerror or err}") from None

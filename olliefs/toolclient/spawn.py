@@ -1,0 +1,143 @@
+"""The daemon's toolsrv: spawned on first use, respawned if it died, or a remote one.
+
+Local (default): ``toolsrv`` runs as a child in its own session (a Ctrl-C meant for a
+foreground ``ollie mount -f`` is not its business), listening on ``run/toolsrv.sock``
+(0600). olliefs mints a fresh master key per spawn and hands it over on the child's stdin,
+which it keeps open: toolsrv exits when that pipe closes, so a daemon killed with SIGKILL
+does not leave a tool server behind.
+
+Remote: ``OLLIE_TOOLSRV=unix:/path/to.sock`` with ``OLLIE_TOOLSRV_KEY_FILE`` (the hex key
+that toolsrv was started with, ``--key-file``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from olliefs.settings import Paths
+from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
+
+log = logging.getLogger(__name__)
+
+
+class Toolsrv:
+    def __init__(self, paths: Paths, settings: Mapping[str, str], nursery: trio.Nursery) -> None:
+        self.paths = paths
+        self.settings = settings
+        self._nursery = nursery
+        self._lock = trio.Lock()
+        self._proc: trio.Process | None = None
+        self._key: bytes | None = None
+        self._socket = ""
+        self.spawns = 0
+        remote = settings.get("OLLIE_TOOLSRV", "")
+        if remote:
+            if not remote.startswith("unix:"):
+                raise ToolsrvError(f"OLLIE_TOOLSRV: only unix:PATH is supported: {remote}")
+            self._socket = remote[len("unix:") :]
+            key_file = settings.get("OLLIE_TOOLSRV_KEY_FILE", "")
+            try:
+                self._key = bytes.fromhex(Path(key_file).read_text().strip())
+            except (OSError, ValueError) as err:
+                raise ToolsrvError(f"OLLIE_TOOLSRV_KEY_FILE: {err}") from None
+        self.remote = bool(remote)
+
+    @property
+    def tmp_root(self) -> Path:
+        return self.paths.data / "tmp"
+
+    @property
+    def alive(self) -> bool:
+        return self.remote or (self._proc is not None and self._proc.returncode is None)
+
+    async def _ensure(self) -> tuple[str, bytes]:
+        async with self._lock:
+            if not self.alive:
+                await self._spawn()
+            assert self._key is not None
+            return self._socket, self._key
+
+    async def _spawn(self) -> None:
+        sock = self.paths.run / "toolsrv.sock"
+        key = secrets.token_bytes(32)
+        argv = [
+            sys.executable,
+            "-m",
+            "toolsrv",
+            "--socket",
+            str(sock),
+            "--tools-dir",
+            str(self.paths.config / "tools"),
+            "--sandbox-dir",
+            str(self.paths.config / "sandbox"),
+            "--tmp-dir",
+            str(self.tmp_root),
+            "--exit-with-stdin",
+            "--log-level",
+            self.settings.get("OLLIE_TOOLSRV_LOG_LEVEL", "INFO"),
+        ]
+        log_file = open(self.paths.state / "toolsrv.log", "ab")
+        try:
+            proc = await trio.lowlevel.open_process(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                start_new_session=True,
+            )
+        finally:
+            log_file.close()
+        assert proc.stdin is not None and proc.stdout is not None
+        await proc.stdin.send_all(key.hex().encode() + b"\n")
+        line = b""
+        with trio.move_on_after(30):
+            while not line.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(64)
+                if not chunk:
+                    break
+                line += chunk
+        if line.strip() != b"ready":
+            proc.kill()
+            await proc.wait()
+            raise ToolsrvError(f"toolsrv did not start (see {self.paths.state / 'toolsrv.log'})")
+        self.spawns += 1
+        self._proc, self._key, self._socket = proc, key, str(sock)
+        log.info("toolsrv started, pid %d, socket %s", proc.pid, sock)
+        self._nursery.start_soon(self._watch, proc)
+
+    async def _watch(self, proc: trio.Process) -> None:
+        code = await proc.wait()
+        if proc is self._proc:
+            log.warning("toolsrv (pid %d) exited with %s; respawned on next use", proc.pid, code)
+
+    @asynccontextmanager
+    async def connect(self, agent_id: str) -> AsyncIterator[ToolsrvConn]:
+        sock, key = await self._ensure()
+        async with connect(sock, key, agent_id) as conn:
+            yield conn
+
+    async def aclose(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        with trio.CancelScope(shield=True):
+            assert proc.stdin is not None
+            await proc.stdin.aclose()  # toolsrv exits on stdin EOF ...
+            with trio.move_on_after(5):
+                await proc.wait()
+            if proc.returncode is None:  # ... or is made to
+                proc.kill()
+                await proc.wait()
+        try:
+            os.unlink(self.paths.run / "toolsrv.sock")
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,291 @@
+"""Tools end to end: daemon + real toolsrv (spawned by the daemon) + replay LLM server.
+
+The model's tool calls are scripted on the replay server; everything else is real: the
+daemon spawns toolsrv, attaches per agent over 9P, runs the calls under Landlock and
+feeds the results back to the model.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Daemon, oserror, script
+
+
+def call(name: str, args: dict[str, Any], cid: str) -> dict[str, Any]:
+    return {"name": name, "arguments": args, "id": cid}
+
+
+def calls(*cs: dict[str, Any]) -> str:
+    return json.dumps({"tool_calls": list(cs)})
+
+
+def reply(text: str) -> str:
+    return json.dumps({"reply": text})
+
+
+def sent_tools(daemon: Daemon, i: int) -> list[str]:
+    return [t["function"]["name"] for t in daemon.replay.requests[i].get("tools", [])]
+
+
+def tool_messages(daemon: Daemon, i: int) -> list[dict[str, Any]]:
+    return [m for m in daemon.replay.requests[i]["messages"] if m["role"] == "tool"]
+
+
+def context(daemon: Daemon, sid: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in daemon.read(f"s/{sid}/context").splitlines()]
+
+
+def workdir(daemon: Daemon) -> Path:
+    return daemon.work
+
+
+def test_tree_shows_tools(daemon: Daemon) -> None:
+    sid = daemon.new(name="t", cwd=str(workdir(daemon)))
+    assert daemon.read(f"s/{sid}/tools") == "client_9p\thot\tserial\n"
+    idx = daemon.read("t/idx").splitlines()
+    names = [line.split("\t")[0] for line in idx]
+    for n in ("client_9p", "execute_code", "file_edit", "file_glob", "file_grep", "file_read"):
+        assert n in names
+    fr = next(line.split("\t") for line in idx if line.startswith("file_read\t"))
+    assert fr[3:] == ["cold", "parallel"]
+    assert json.loads(fr[2])["type"] == "object"
+    assert "file_read" in os.listdir(daemon.p("t"))
+    assert daemon.read("t/file_read").startswith("#!")
+
+
+def test_tool_load_and_unload_through_ctl(daemon: Daemon) -> None:
+    sid = daemon.new(name="t", cwd=str(workdir(daemon)))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_read")
+    assert daemon.read(f"s/{sid}/tools") == "client_9p\thot\tserial\nfile_read\tcold\tparallel\n"
+    assert ":: tool file_read loaded\n" in daemon.read(f"s/{sid}/chat")
+    # Unknown tool, unloading what is not loaded, and a bad line after a good one: EINVAL,
+    # nothing changes (the good line of the same write is undone).
+    assert oserror(daemon.write, f"s/{sid}/ctl", "tool_load nope") == errno.EINVAL
+    assert oserror(daemon.write, f"s/{sid}/ctl", "tool_unload file_grep") == errno.EINVAL
+    bad = "tool_load file_grep\ntool_load nope"
+    assert oserror(daemon.write, f"s/{sid}/ctl", bad) == errno.EINVAL
+    assert "file_grep" not in daemon.read(f"s/{sid}/tools")
+    assert "error: tool_load: unknown tool: nope\n" in daemon.read(f"s/{sid}/chat")
+    daemon.write(f"s/{sid}/ctl", "tool_unload file_read")
+    assert daemon.read(f"s/{sid}/tools") == "client_9p\thot\tserial\n"
+
+
+def test_model_calls_a_tool_and_sees_the_result(daemon: Daemon) -> None:
+    w = workdir(daemon)
+    (w / "notes.txt").write_text("alpha\nbeta\n")
+    daemon.replay.add(
+        script(
+            calls(call("file_read", {"path": "notes.txt"}, "c1")),
+            reply("it says alpha"),
+            reply("and again"),
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_read")
+    daemon.prompt(sid, "read notes")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert '-> file_read({"path":"notes.txt"})\n' in chat
+    assert "alpha" in chat.split("-> file_read")[1]
+    assert chat.endswith("assistant: it says alpha\n")
+    assert sorted(sent_tools(daemon, 0)) == ["client_9p", "file_read"]
+    system = daemon.replay.requests[0]["messages"][0]
+    assert system["role"] == "system" and "file_read" in system["content"]
+    assert daemon.read(f"s/{sid}/systemprompt") == system["content"]
+    # The model saw the cold result verbatim right after the call ...
+    (msg,) = tool_messages(daemon, 1)
+    assert msg["tool_call_id"] == "c1" and "alpha" in msg["content"]
+    # ... and collapsed to one line once it had answered after it.
+    daemon.prompt(sid, "more")
+    daemon.wait_idle(sid)
+    (msg,) = tool_messages(daemon, 2)
+    assert msg["content"].startswith("[file_read result collapsed:")
+    ctx = context(daemon, sid)
+    tool = next(m for m in ctx if m["role"] == "tool")
+    assert "alpha" in tool["content"] and tool["tier"] == "cold"
+
+
+def test_model_loads_a_tool_through_client_9p(daemon: Daemon) -> None:
+    w = workdir(daemon)
+    (w / "a.py").write_text("x = 1\n")
+    daemon.replay.add(
+        script(
+            calls(
+                call(
+                    "client_9p", {"op": "write", "path": "ctl", "data": "tool_load file_glob"}, "c1"
+                )
+            ),
+            calls(call("file_glob", {"pattern": "*.py"}, "c2")),
+            reply("found it"),
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.prompt(sid, "find python files")
+    daemon.wait_idle(sid)
+    assert sent_tools(daemon, 0) == ["client_9p"]
+    assert sorted(sent_tools(daemon, 1)) == ["client_9p", "file_glob"]
+    chat = daemon.read(f"s/{sid}/chat")
+    assert ":: tool file_glob loaded\n" in chat
+    assert "-> file_glob(" in chat and "a.py" in chat.split("-> file_glob(")[1]
+    assert "file_glob\twarm\tparallel\n" in daemon.read(f"s/{sid}/tools")
+
+
+def test_unknown_tool_and_bad_arguments(daemon: Daemon) -> None:
+    daemon.replay.add(
+        script(
+            calls(
+                call("file_read", {"path": "x"}, "c1"),
+                {"name": "client_9p", "arguments": "{not json", "id": "c2"},
+            ),
+            reply("ok"),
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(workdir(daemon)))
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    msgs = tool_messages(daemon, 1)
+    assert [m["tool_call_id"] for m in msgs] == ["c1", "c2"]
+    assert msgs[0]["content"].startswith("[tool error] unknown tool 'file_read': not loaded")
+    assert msgs[1]["content"].startswith("[tool error] arguments are not a JSON object")
+
+
+RENDEZVOUS = """#!/bin/bash
+# ollie-tool
+# description: meet the other rendezvous tool (test)
+# args: {"type": "object", "properties": {}}
+# parallel: true
+# tier: hot
+touch "$OLLIE_CWD/$(basename "$0").here"
+for i in $(seq 100); do
+  [ -e "$OLLIE_CWD/$OTHER.here" ] && { echo met; exit 0; }
+  sleep 0.05
+done
+echo alone
+"""
+
+
+def test_read_safe_calls_run_in_parallel_others_in_order(daemon: Daemon) -> None:
+    tools = daemon.home / "config" / "tools"
+    for me, other in (("meet_a", "meet_b"), ("meet_b", "meet_a")):
+        p = tools / me
+        p.write_text(RENDEZVOUS.replace("$OTHER", other))
+        p.chmod(0o755)
+    w = workdir(daemon)
+    daemon.replay.add(
+        script(
+            calls(
+                call("meet_a", {}, "c1"),
+                call("meet_b", {}, "c2"),
+                call("execute_code", {"code": "echo serial1 > order; cat order"}, "c3"),
+                call("execute_code", {"code": "echo serial2 >> order; cat order"}, "c4"),
+            ),
+            reply("done"),
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load meet_a\ntool_load meet_b\ntool_load execute_code")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    msgs = tool_messages(daemon, 1)
+    # Each waits up to 5 s for the other: only concurrent runs can both say "met".
+    assert [m["content"] for m in msgs[:2]] == ["met", "met"]
+    assert msgs[3]["content"] == "serial1\nserial2"
+    chat = daemon.read(f"s/{sid}/chat")
+    assert chat.index("-> meet_a(") < chat.index("-> meet_b(") < chat.index("-> execute_code(")
+
+
+def test_per_turn_read_cache(daemon: Daemon) -> None:
+    w = workdir(daemon)
+    (w / "f.txt").write_text("one\n")
+
+    def read(cid: str) -> dict[str, Any]:
+        return call("file_read", {"path": "f.txt"}, cid)
+
+    daemon.replay.add(
+        script(
+            calls(read("c1")),
+            calls(read("c2")),
+            calls(call("file_write", {"path": "f.txt", "content": "two\n"}, "c3")),
+            calls(read("c4")),
+            reply("done"),
+            calls(read("c5")),
+            reply("done again"),
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_read\ntool_load file_write")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    note = "[from this turn's read cache"
+    c1, c2, _, c4 = (m["content"] for m in context(daemon, sid) if m["role"] == "tool")
+    assert "one" in c1 and note not in c1
+    assert "one" in c2 and note in c2
+    assert "two" in c4 and note not in c4  # the file changed: read afresh
+    daemon.prompt(sid, "again")
+    daemon.wait_idle(sid)
+    c5 = [m for m in context(daemon, sid) if m["role"] == "tool"][-1]["content"]
+    assert "two" in c5 and note not in c5  # a new turn starts with an empty cache
+
+
+BIG = """#!/bin/bash
+# ollie-tool
+# description: print 30000 numbers (test)
+# args: {"type": "object", "properties": {}}
+seq 1 30000
+"""
+
+
+def test_big_results_are_cut_with_a_note(daemon: Daemon) -> None:
+    w = workdir(daemon)
+    big = daemon.home / "config" / "tools" / "big"
+    big.write_text(BIG)
+    big.chmod(0o755)
+    daemon.replay.add(script(calls(call("big", {}, "c1")), reply("long")))
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load big")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    (msg,) = tool_messages(daemon, 1)
+    body, note = msg["content"].rsplit("\n", 1)
+    full = "".join(f"{i}\n" for i in range(1, 30001))
+    assert len(body.encode()) <= 32 * 1024 and full.startswith(body)
+    assert note.startswith("[output cut: showing ") and f"of {len(full) - 1} bytes" in note
+    path = note.split("the whole output is in ")[1].split(":")[0]
+    assert Path(path).read_text() == full.rstrip("\n")
+
+
+def test_stop_kills_a_running_tool(daemon: Daemon) -> None:
+    w = workdir(daemon)
+    code = "trap '' TERM; (trap '' TERM; sleep 1000) & echo $! > pids; echo $$ >> pids; wait"
+    daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1"))))
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
+    daemon.prompt(sid, "go")
+    daemon.wait_state(sid, "calling: execute_code")
+    pids_file = w / "pids"
+    daemon.wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2)
+    pids = [int(x) for x in pids_file.read_text().split()]
+    daemon.write(f"s/{sid}/ctl", "stop")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "[tool error] cancelled" in chat and chat.endswith(":: stopped\n")
+    daemon.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids))
+    ctx = context(daemon, sid)
+    assert ctx[-1]["role"] == "tool" and ctx[-1]["tool_call_id"] == "c1"
+
+
+def test_loaded_tools_survive_a_restart(daemon: Daemon) -> None:
+    sid = daemon.new(name="t", cwd=str(workdir(daemon)))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_grep")
+    daemon.stop()
+    daemon.start()
+    assert daemon.read(f"s/{sid}/tools") == "client_9p\thot\tserial\nfile_grep\twarm\tparallel\n"
+    daemon.replay.add(script(calls(call("file_grep", {"pattern": "zzz"}, "c1")), reply("ok")))
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    assert sorted(sent_tools(daemon, 0)) == ["client_9p", "file_grep"]

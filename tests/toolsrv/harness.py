@@ -1,0 +1,28 @@
+"""Helpers for toolsrv tests (the toolsrv harness itself is in ``olliefs.testing``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from olliefs.testing import ToolsrvProc, running_toolsrv
+
+__all__ = ["ToolsrvProc", "pid_alive", "pid_exists", "running_toolsrv", "tool_env"]
+
+
+def tool_env(cwd: Path, session: str = "sess") -> dict[str, str]:
+    return {"OLLIE_SESSION_ID": session, "OLLIE_CWD": str(cwd), "OLLIE": str(cwd)}
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def pid_exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")

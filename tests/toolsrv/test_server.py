@@ -1,0 +1,106 @@
+"""The toolsrv tree over 9P: listing, metadata, the proc life cycle and bad requests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ninep import NinePError
+from ninep.codec import OREAD, OWRITE
+from olliefs.toolclient.client import ToolsrvConn
+from tests.toolsrv.harness import ToolsrvProc, running_toolsrv, tool_env
+from toolsrv.sandbox import landlock_abi
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[ToolsrvProc]:
+    with running_toolsrv(tmp_path) as t:
+        yield t
+
+
+async def new_proc(conn: ToolsrvConn) -> str:
+    c = conn.client
+    fid = await c.walk(conn.root, ["proc", "new"])
+    try:
+        await c.open(fid, OREAD)
+        return (await c.read(fid, 0, 64)).decode().strip()
+    finally:
+        await c.clunk(fid)
+
+
+async def test_tree_and_metadata(srv: ToolsrvProc) -> None:
+    async with srv.agent("a1") as conn:
+        c = conn.client
+        assert sorted(st.name for st in await c.listdir(conn.root, "")) == [
+            "agent",
+            "proc",
+            "tools",
+        ]
+        names = await conn.names()
+        for n in ("client_9p", "execute_code", "file_read", "memory_recall", "subagent_spawn"):
+            assert n in names
+        meta, schema = await conn.meta("file_read")
+        assert (meta.name, meta.tier, meta.parallel) == ("file_read", "cold", True)
+        assert schema["type"] == "object" and "path" in schema["properties"]
+        assert await conn.loaded() == []
+        with pytest.raises(NinePError):
+            await c.walk(conn.root, ["tools", "nope"])
+        # Read-only and write-only files refuse the other direction.
+        fid = await c.walk(conn.root, ["agent", "rev"])
+        with pytest.raises(NinePError):
+            await c.open(fid, OWRITE)
+        await c.clunk(fid)
+        fid = await c.walk(conn.root, ["agent", "ctl"])
+        with pytest.raises(NinePError):
+            await c.open(fid, OREAD)
+        await c.clunk(fid)
+
+
+async def test_proc_life_cycle(srv: ToolsrvProc, tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    async with srv.agent("a1", "reasoning_think") as conn:
+        c, root = conn.client, conn.root
+        n1, n2 = await new_proc(conn), await new_proc(conn)
+        assert int(n2) == int(n1) + 1
+        procs = {st.name for st in await c.listdir(root, "proc")}
+        assert {"new", n1, n2} <= procs
+        # The result of a call that was never started is an error, not a hang.
+        with pytest.raises(NinePError, match="not started"):
+            await c.read_all(root, f"proc/{n1}/result")
+        for bad in (
+            b"{not json",
+            b'{"tool": "reasoning_think", "bogus": 1}',
+            b'{"tool": "execute_code", "cwd": "/"}',
+            b'{"tool": "reasoning_think", "cwd": "relative"}',
+            b'{"tool": "reasoning_think", "cwd": "/nonexistent-dir"}',
+        ):
+            with pytest.raises(NinePError):
+                await c.write_all(root, f"proc/{n1}/call", bad)
+        call = {"tool": "reasoning_think", "args": {"thought": "hm"}, "cwd": str(work)}
+        await c.write_all(root, f"proc/{n1}/call", json.dumps(call).encode())
+        with pytest.raises(NinePError, match="already started"):
+            await c.write_all(root, f"proc/{n1}/call", json.dumps(call).encode())
+        with pytest.raises(NinePError, match="unknown command"):
+            await c.write_all(root, f"proc/{n1}/ctl", b"explode")
+        result = json.loads(await c.read_all(root, f"proc/{n1}/result"))
+        if landlock_abi():
+            assert result == {"content": [{"type": "text", "text": "ok"}], "isError": False}
+        # Read to the end and clunked: proc/N is gone. Removing proc/N2 removes it.
+        assert n1 not in {st.name for st in await c.listdir(root, "proc")}
+        fid = await c.walk(root, ["proc", n2])
+        await c.remove(fid)
+        assert {st.name for st in await c.listdir(root, "proc")} == {"new"}
+
+
+async def test_call_errors_come_back_as_results(srv: ToolsrvProc, tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    async with srv.agent("a1", "subagent_spawn", "file_read") as conn:
+        res = await conn.call("subagent_spawn", {"name": "x", "prompt": "y"}, str(work), {})
+        assert res.isError and "not yet" in res.text
+        res = await conn.call("file_read", {"path": "missing.txt"}, str(work), tool_env(work))
+        assert res.isError and "missing.txt" in res.text

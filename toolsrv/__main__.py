@@ -1,0 +1,109 @@
+"""``toolsrv``: the 9P tool server process (SPEC 5, toolsrv(8)).
+
+olliefs spawns it with the master key on stdin (one hex line) and waits for ``ready`` on
+stdout; a remote toolsrv reads the key from ``--key-file``. It serves until SIGTERM/SIGINT
+or until stdin reaches EOF when ``--exit-with-stdin`` is given (the spawning daemon died:
+a tool server without its daemon has nobody to serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from ninep.server import serve_unix
+from toolsrv import exec as texec
+from toolsrv.registry import Registry
+from toolsrv.server import ToolServer
+
+log = logging.getLogger("toolsrv")
+
+
+def shipped_dir() -> Path:
+    from olliefs.settings import shipped_dir as sd
+
+    return sd()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="toolsrv", description="olliefs tool server (9P2000)")
+    p.add_argument("--socket", required=True, help="unix socket path to listen on (mode 0600)")
+    p.add_argument(
+        "--tools-dir", action="append", default=[], help="tool scripts; earlier dirs win"
+    )
+    p.add_argument("--sandbox-dir", action="append", default=[], help="sandbox/*.toml dirs")
+    p.add_argument("--no-shipped", action="store_true", help="do not add the shipped defaults")
+    p.add_argument("--tmp-dir", required=True, help="root of the per-session tmp dirs")
+    p.add_argument("--key-file", help="master key file (default: one hex line on stdin)")
+    p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def read_key(args: argparse.Namespace) -> bytes:
+    text = Path(args.key_file).read_text() if args.key_file else sys.stdin.readline()
+    key = bytes.fromhex(text.strip())
+    if len(key) < 16:
+        raise SystemExit("toolsrv: the master key must be at least 16 bytes of hex")
+    return key
+
+
+async def amain(args: argparse.Namespace, key: bytes) -> None:
+    tools = [Path(d) for d in args.tools_dir]
+    boxes = [Path(d) for d in args.sandbox_dir]
+    if not args.no_shipped:
+        tools.append(shipped_dir() / "tools")
+        boxes.append(shipped_dir() / "sandbox")
+    tmp_root = Path(args.tmp_dir)
+    tmp_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    texec.init_reaper()
+    async with trio.open_nursery() as nursery:
+        fs = ToolServer(
+            key, Registry(tools), sandbox_dirs=boxes, tmp_root=tmp_root, nursery=nursery
+        )
+        await nursery.start(serve_unix, args.socket, fs)
+        log.info("serving %s (tools: %s)", args.socket, ", ".join(map(str, tools)))
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                async for _ in sigs:
+                    nursery.cancel_scope.cancel()
+
+        async def on_stdin_eof() -> None:
+            await trio.lowlevel.wait_readable(0)
+            while await trio.to_thread.run_sync(os.read, 0, 4096):
+                pass
+            log.info("stdin closed: the daemon is gone, exiting")
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_signal)
+        if args.exit_with_stdin:
+            nursery.start_soon(on_stdin_eof)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s toolsrv %(levelname)s %(name)s: %(message)s",
+    )
+    key = read_key(args)
+    try:
+        trio.run(amain, args, key)
+    finally:
+        try:
+            os.unlink(args.socket)
+        except FileNotFoundError:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,506 @@
+"""The toolsrv file tree (SPEC 5), served over 9P2000 by ``ninep.server``.
+
+One attach per agent: ``uname`` is the agent id, ``aname`` the per-agent secret
+(``protocol.agent_secret``). Everything an agent sees hangs off its own attach root, so
+one agent cannot name, let alone read or kill, another agent's procs::
+
+    tools/<name>/{meta,schema}   every tool of the registry
+    agent/ctl                    "load <name>" / "unload <name>", one per line
+    agent/loaded, agent/rev      the agent's loaded tools; a counter bumped on each change
+    proc/new                     open + read: a fresh call id N (proc/N/ appears)
+    proc/N/call                  write the CallRequest JSON: the call starts
+    proc/N/result                blocking read: the CallResult JSON once the call ended
+    proc/N/ctl                   "kill": the call's whole process group dies
+
+A blocked ``result`` read that is flushed (Tflush) kills the call, exactly like ``kill``:
+that is how a ``stop`` in olliefs reaches a running tool. A proc disappears once its
+result was read and the reading fid clunked, when ``proc/N`` is removed, or when the
+agent's last connection goes away (its running calls are killed then: a dead client must
+not leave tools running).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import trio
+
+from ninep import NinePError
+from ninep.codec import DMDIR, OREAD, OTRUNC, QTDIR, QTFILE, Qid, Stat
+from ninep.server import BaseFileSystem
+from toolsrv import exec as texec
+from toolsrv import sandbox
+from toolsrv.protocol import (
+    AGENT_ID_RE,
+    CALL_ENV_KEYS,
+    CallRequest,
+    CallResult,
+    Content,
+    ToolMeta,
+    check_secret,
+)
+from toolsrv.registry import AgentTools, Registry, ToolError, ToolInfo
+
+log = logging.getLogger(__name__)
+
+MAX_PROCS_PER_AGENT = 256
+BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+_json = msgspec.json.Encoder()
+_call_decoder = msgspec.json.Decoder(CallRequest)
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def denied() -> NinePError:
+    return NinePError("permission denied")
+
+
+@dataclass(eq=False)
+class Proc:
+    n: int
+    agent: Agent
+    started: bool = False
+    result: bytes | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+    scope: trio.CancelScope | None = None
+    killed: bool = False
+    read_by: int = 0  # open result handles that saw the whole result
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+@dataclass(eq=False)
+class Agent:
+    id: str
+    tools: AgentTools
+    procs: dict[int, Proc] = field(default_factory=dict)
+    next_n: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    connections: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """A path in one agent's view. ``kind`` names the file; ``arg`` the tool or proc."""
+
+    agent: Agent
+    kind: str
+    name: str
+    arg: str = ""
+    proc: Proc | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind in ("root", "tools", "tool", "agent", "procdir", "proc")
+
+
+@dataclass(eq=False)
+class Handle:
+    node: Node
+    mode: int
+    data: bytes | None = None  # snapshot for small read-only files
+    proc: Proc | None = None  # proc/new: the proc this open created
+
+
+class ToolServer(BaseFileSystem):
+    """The application side of the 9P server: a tree per agent over one tool registry."""
+
+    def __init__(
+        self,
+        key: bytes,
+        registry: Registry,
+        *,
+        sandbox_dirs: list[Path],
+        tmp_root: Path,
+        nursery: trio.Nursery,
+        initial_tools: tuple[str, ...] = (),
+    ) -> None:
+        self.key = key
+        self.registry = registry
+        self.sandbox_dirs = sandbox_dirs
+        self.tmp_root = tmp_root
+        self.nursery = nursery
+        self.initial_tools = initial_tools
+        self.agents: dict[str, Agent] = {}
+        self._qids: dict[tuple[object, ...], int] = {}
+        self.started = time.time()
+
+    # ---- identity -------------------------------------------------------------------
+
+    def _qid_path(self, key: tuple[object, ...]) -> int:
+        path = self._qids.get(key)
+        if path is None:
+            path = self._qids[key] = len(self._qids) + 1
+        return path
+
+    def stat(self, node: Node) -> Stat:  # type: ignore[override]
+        key: tuple[object, ...] = (node.agent.id, node.kind, node.arg)
+        if node.proc is not None:
+            key = (*key, node.proc.n)
+        qtype = QTDIR if node.is_dir else QTFILE
+        mode = (DMDIR | 0o500) if node.is_dir else self._perm(node)
+        now = int(self.started)
+        return Stat(
+            type=0,
+            dev=0,
+            qid=Qid(qtype, 0, self._qid_path(key)),
+            mode=mode,
+            atime=now,
+            mtime=now,
+            length=0,
+            name=node.name,
+            uid=node.agent.id,
+            gid=node.agent.id,
+            muid=node.agent.id,
+        )
+
+    @staticmethod
+    def _perm(node: Node) -> int:
+        if node.kind in ("ctl", "call", "procctl"):
+            return 0o200
+        return 0o400
+
+    # ---- attach and walk ------------------------------------------------------------
+
+    async def attach(self, uname: str, aname: str) -> Node:
+        if not AGENT_ID_RE.fullmatch(uname) or not check_secret(self.key, uname, aname):
+            log.info("attach refused for %r", uname)
+            raise NinePError("authentication failed")
+        agent = self.agents.get(uname)
+        if agent is None:
+            agent = Agent(uname, AgentTools(self.registry, self.initial_tools))
+            self.agents[uname] = agent
+        agent.connections += 1
+        return Node(agent, "root", "/")
+
+    def detach(self, root: Node) -> None:
+        """Called when a connection that attached ``root`` goes away."""
+        agent = root.agent
+        agent.connections -= 1
+        if agent.connections <= 0:
+            for proc in list(agent.procs.values()):
+                proc.kill()
+            agent.procs.clear()
+            # The client re-pushes its loaded tools when it attaches again.
+            if self.agents.get(agent.id) is agent:
+                del self.agents[agent.id]
+
+    async def walk(self, node: Node, name: str) -> Node:  # type: ignore[override]
+        a = node.agent
+        k = node.kind
+        if name == "..":
+            parent = {
+                "root": "root",
+                "tools": "root",
+                "agent": "root",
+                "procdir": "root",
+                "tool": "tools",
+                "proc": "procdir",
+            }.get(k)
+            if parent is None:
+                raise NinePError("not a directory")
+            names = {"root": "/", "tools": "tools", "procdir": "proc"}
+            return Node(a, parent, names[parent])
+        if k == "root":
+            kinds = {"tools": "tools", "agent": "agent", "proc": "procdir"}
+            if name in kinds:
+                return Node(a, kinds[name], name)
+        elif k == "tools":
+            if name in self.registry.tools():
+                return Node(a, "tool", name, arg=name)
+        elif k == "tool":
+            if name in ("meta", "schema") and node.arg in self.registry.tools():
+                return Node(a, name, name, arg=node.arg)
+        elif k == "agent":
+            if name in ("ctl", "loaded", "rev"):
+                return Node(a, name, name)
+        elif k == "procdir":
+            if name == "new":
+                return Node(a, "new", "new")
+            if name.isdigit() and int(name) in a.procs:
+                return Node(a, "proc", name, proc=a.procs[int(name)])
+        elif k == "proc":
+            files = {"call": "call", "result": "result", "ctl": "procctl"}
+            if name in files and node.proc is not None and node.proc.n in a.procs:
+                return Node(a, files[name], name, proc=node.proc)
+        else:
+            raise NinePError("not a directory")
+        raise NinePError("file not found")
+
+    async def readdir(self, node: Node) -> list[Stat]:  # type: ignore[override]
+        a = node.agent
+        k = node.kind
+        children: list[Node]
+        if k == "root":
+            children = [
+                Node(a, "tools", "tools"),
+                Node(a, "agent", "agent"),
+                Node(a, "procdir", "proc"),
+            ]
+        elif k == "tools":
+            children = [Node(a, "tool", n, arg=n) for n in sorted(self.registry.tools())]
+        elif k == "tool":
+            children = [Node(a, f, f, arg=node.arg) for f in ("meta", "schema")]
+        elif k == "agent":
+            children = [Node(a, f, f) for f in ("ctl", "loaded", "rev")]
+        elif k == "procdir":
+            children = [Node(a, "new", "new")] + [
+                Node(a, "proc", str(n), proc=p) for n, p in sorted(a.procs.items())
+            ]
+        elif k == "proc":
+            children = [
+                Node(a, kind, name, proc=node.proc)
+                for name, kind in (("call", "call"), ("result", "result"), ("ctl", "procctl"))
+            ]
+        else:
+            raise NinePError("not a directory")
+        return [self.stat(c) for c in children]
+
+    # ---- open, read, write ----------------------------------------------------------
+
+    async def open(self, node: Node, mode: int) -> Handle:  # type: ignore[override]
+        if node.is_dir:
+            if mode & 3 != OREAD:
+                raise NinePError("is a directory")
+            return Handle(node, mode)
+        writing = mode & 3 != OREAD or bool(mode & OTRUNC)
+        reading = mode & 3 != 1  # OWRITE
+        perm = self._perm(node)
+        if (writing and not perm & 0o200) or (reading and not perm & 0o400):
+            raise denied()
+        h = Handle(node, mode)
+        if node.kind == "new":
+            h.proc = self._new_proc(node.agent)
+            h.data = f"{h.proc.n}\n".encode()
+        elif node.kind not in ("result",) and reading:
+            h.data = self._snapshot(node)
+        return h
+
+    def _snapshot(self, node: Node) -> bytes:
+        a = node.agent
+        if node.kind == "meta":
+            info = self._tool(node.arg)
+            meta = ToolMeta(
+                info.name, info.description, info.tier, info.parallel, info.timeout, info.sandbox
+            )
+            return _json.encode(meta) + b"\n"
+        if node.kind == "schema":
+            return _json.encode(self._tool(node.arg).args) + b"\n"
+        if node.kind == "loaded":
+            return "".join(f"{n}\n" for n in a.tools.loaded()).encode()
+        if node.kind == "rev":
+            return f"{a.tools.rev}\n".encode()
+        return b""
+
+    def _tool(self, name: str) -> ToolInfo:
+        try:
+            return self.registry.get(name)
+        except KeyError:
+            raise NinePError("file not found") from None
+
+    def _new_proc(self, agent: Agent) -> Proc:
+        running = sum(1 for p in agent.procs.values() if not p.done.is_set())
+        if len(agent.procs) >= MAX_PROCS_PER_AGENT and running >= MAX_PROCS_PER_AGENT:
+            raise NinePError("too many procs")
+        if len(agent.procs) >= MAX_PROCS_PER_AGENT:
+            # Forget the oldest finished procs nobody read: a bound, not a leak.
+            for n, p in sorted(agent.procs.items()):
+                if p.done.is_set() and len(agent.procs) >= MAX_PROCS_PER_AGENT:
+                    del agent.procs[n]
+        proc = Proc(next(agent.next_n), agent)
+        agent.procs[proc.n] = proc
+        return proc
+
+    async def read(self, handle: Handle, offset: int, count: int) -> bytes:  # type: ignore[override]
+        node = handle.node
+        if node.kind == "result":
+            proc = node.proc
+            assert proc is not None
+            if not proc.started:
+                raise NinePError("call not started: write proc/N/call first")
+            if proc.result is None:
+                try:
+                    await proc.done.wait()
+                except trio.Cancelled:
+                    # Tflush of a pending result read: the call dies (SPEC 5).
+                    log.debug("result read of %s/%d flushed: killing", proc.agent.id, proc.n)
+                    proc.kill()
+                    raise
+            data = proc.result or b""
+            if offset + count >= len(data):
+                handle.data = data  # marks "result consumed" for clunk
+            return data[offset : offset + count]
+        if handle.data is None:
+            raise denied()
+        return handle.data[offset : offset + count]
+
+    async def write(self, handle: Handle, offset: int, data: bytes) -> int:  # type: ignore[override]
+        node = handle.node
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise NinePError("not valid UTF-8") from None
+        if node.kind == "ctl":
+            self._agent_ctl(node.agent, text)
+        elif node.kind == "call":
+            assert node.proc is not None
+            self._start(node.proc, data)
+        elif node.kind == "procctl":
+            assert node.proc is not None
+            cmd = text.strip()
+            if cmd != "kill":
+                raise NinePError(f"unknown command: {cmd!r} (proc ctl takes: kill)")
+            node.proc.kill()
+        else:
+            raise denied()
+        return len(data)
+
+    def _agent_ctl(self, agent: Agent, text: str) -> None:
+        """Lines applied in order; all are checked before any is applied."""
+        actions: list[Callable[[], None]] = []
+        for line in text.splitlines():
+            verb, _, name = line.strip().partition(" ")
+            name = name.strip()
+            if not verb:
+                continue
+            if verb not in ("load", "unload") or not name:
+                raise NinePError(f"bad command: {line.strip()!r} (load NAME | unload NAME)")
+            if verb == "load" and name not in self.registry.tools():
+                raise NinePError(f"unknown tool: {name}")
+            if verb == "unload" and name not in agent.tools.loaded():
+                raise NinePError(f"not loaded: {name}")
+            fn = agent.tools.load if verb == "load" else agent.tools.unload
+            actions.append(lambda fn=fn, name=name: fn(name))  # type: ignore[misc]
+        try:
+            for act in actions:
+                act()
+        except ToolError as err:
+            raise NinePError(str(err)) from None
+
+    # ---- calls ----------------------------------------------------------------------
+
+    def _start(self, proc: Proc, data: bytes) -> None:
+        if proc.started:
+            raise NinePError("call already started")
+        try:
+            req = _call_decoder.decode(data)
+        except msgspec.DecodeError as err:
+            raise NinePError(f"bad call: {err}") from None
+        if req.tool not in proc.agent.tools.loaded():
+            raise NinePError(f"tool not loaded: {req.tool}")
+        info = self._tool(req.tool)
+        if not os.path.isabs(req.cwd) or not os.path.isdir(req.cwd):
+            raise NinePError(f"bad call: cwd must be an existing absolute directory: {req.cwd!r}")
+        proc.started = True
+        proc.scope = trio.CancelScope()
+        self.nursery.start_soon(self._run, proc, info, req, name=f"call {proc.agent.id}/{proc.n}")
+
+    async def _run(self, proc: Proc, info: ToolInfo, req: CallRequest) -> None:
+        assert proc.scope is not None
+        result = CallResult([Content("cancelled: the call was killed before it ended")], True)
+        try:
+            with proc.scope:
+                result = await self._execute(proc, info, req)
+        except Exception as err:  # a bug must not take the server down
+            log.exception("call %s/%d failed", proc.agent.id, proc.n)
+            result = CallResult([Content(f"internal error: {type(err).__name__}: {err}")], True)
+        finally:
+            proc.result = _json.encode(result)
+            proc.done.set()
+
+    def _env(self, req: CallRequest, agent: Agent, tmp: Path) -> dict[str, str]:
+        env = {k: v for k, v in req.env.items() if k in CALL_ENV_KEYS}
+        env.update(
+            PATH=os.environ.get("PATH", BASE_PATH),
+            HOME=os.environ.get("HOME", "/"),
+            TMPDIR=str(tmp),
+            OLLIE_TMP=str(tmp),
+            OLLIE_CWD=req.cwd,
+        )
+        env.setdefault("LANG", "C.UTF-8")
+        env.setdefault("OLLIE_AGENT", agent.id)
+        return env
+
+    def tmp_dir(self, req: CallRequest, agent: Agent) -> Path:
+        """The session's scratch dir: writable by its tools, private to it."""
+        owner = req.env.get("OLLIE_SESSION_ID") or agent.id
+        tmp = self.tmp_root / _SAFE.sub("_", owner)
+        tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return tmp
+
+    async def _execute(self, proc: Proc, info: ToolInfo, req: CallRequest) -> CallResult:
+        try:
+            profile = sandbox.load_profile(self.sandbox_dirs, info.sandbox)
+        except sandbox.SandboxError as err:
+            return CallResult([Content(f"sandbox profile {info.sandbox!r}: {err}")], True)
+        tmp = self.tmp_dir(req, proc.agent)
+        timeout = min(info.timeout, profile.timeout_cap)
+        try:
+            res = await texec.run_tool(
+                [info.path],
+                stdin=_json.encode(req.args),
+                cwd=req.cwd,
+                env=self._env(req, proc.agent, tmp),
+                write_roots=[req.cwd],
+                tmp_dir=str(tmp),
+                profile=profile,
+                timeout=timeout,
+            )
+        except sandbox.SandboxError as err:
+            return CallResult([Content(str(err))], True)
+        return render_result(res, timeout)
+
+    async def clunk(self, handle: Handle) -> None:  # type: ignore[override]
+        node = handle.node
+        proc = node.proc
+        if node.kind == "result" and proc is not None and handle.data is not None:
+            # The result was read to its end: the proc has served its purpose.
+            proc.agent.procs.pop(proc.n, None)
+
+    async def remove(self, node: Node) -> None:  # type: ignore[override]
+        if node.kind != "proc" or node.proc is None:
+            raise denied()
+        node.proc.kill()
+        node.agent.procs.pop(node.proc.n, None)
+
+
+def render_result(res: texec.ExecResult, timeout: float) -> CallResult:
+    """One text for the model: stdout, then what went wrong, said plainly."""
+    out = res.stdout.decode(errors="replace")
+    err = res.stderr.decode(errors="replace")
+    notes: list[str] = []
+    is_error = False
+    if res.error is not None:
+        return CallResult([Content(res.error)], True)
+    if res.cancelled:
+        notes.append("cancelled: the call was killed (process group ended)")
+        is_error = True
+    elif res.timed_out:
+        notes.append(f"timed out after {timeout:g}s: process group killed")
+        is_error = True
+    elif res.signal is not None:
+        notes.append(f"killed by signal {res.signal}")
+        is_error = True
+    elif res.exit_code:
+        is_error = True
+    if res.stdout_dropped:
+        notes.append(f"[stdout cut: {res.stdout_dropped} more bytes were dropped]")
+    if res.stderr_dropped:
+        notes.append(f"[stderr cut: {res.stderr_dropped} more bytes were dropped]")
+    parts = [out.rstrip("\n")] if out.strip() else []
+    if err.strip() and (is_error or not out.strip()):
+        parts.append(err.rstrip("\n"))
+    if res.exit_code and not res.timed_out and not res.cancelled:
+        if not err.strip() and not out.strip():
+            notes.append(f"exit status {res.exit_code}")
+    parts.extend(notes)
+    return CallResult([Content("\n".join(parts))], is_error)
