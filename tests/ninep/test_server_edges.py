@@ -1,0 +1,132 @@
+"""Server corners: what the application gets wrong, clunks racing reads, limits."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from ninep import codec as c
+from ninep.codec import NinePError
+from ninep.server import ServerStats, serve_connection
+from tests.ninep.conftest import MemFS, MHandle, MNode, Raw, Served, raw_connection, settle
+
+
+class WeirdFS(MemFS):
+    """A file system with bugs and odd answers, one per file name."""
+
+    def stat(self, node: object) -> c.Stat:
+        st = super().stat(node)
+        assert isinstance(node, MNode)
+        if node.name == "badstat":
+            return c.Stat(qid=st.qid, mtime=-1, name="badstat")
+        if node.name == "hugestat":
+            return c.Stat(qid=st.qid, name="h" * 5000)
+        return st
+
+    async def read(self, handle: object, offset: int, count: int) -> bytes:
+        assert isinstance(handle, MHandle)
+        if handle.node.name == "longerr":
+            raise NinePError("é" * 40000 + "\x00 tail")
+        if handle.node.name == "toomuch":
+            return b"x" * (count + 10)
+        return await super().read(handle, offset, count)
+
+    async def write(self, handle: object, offset: int, data: bytes) -> int:
+        assert isinstance(handle, MHandle)
+        if handle.node.name == "liar":
+            return len(data) + 1
+        return await super().write(handle, offset, data)
+
+
+@asynccontextmanager
+async def weird_server(**kw: int) -> AsyncIterator[tuple[Raw, WeirdFS, ServerStats]]:
+    fs = WeirdFS()
+    for name in ("badstat", "hugestat", "longerr", "toomuch", "liar"):
+        fs.file(name, b"content", writable=True)
+    stats = ServerStats()
+    a, b = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as n:
+        n.start_soon(functools.partial(serve_connection, b, fs, stats=stats, **kw))
+        yield Raw(a), fs, stats
+        n.cancel_scope.cancel()
+
+
+async def test_application_mistakes_become_rerrors(caplog: pytest.LogCaptureFixture) -> None:
+    async with weird_server() as (r, fs, _):
+        assert (await r.version(1000)).msize == 1000
+        await r.attach(0)
+        # A Stat that cannot be encoded: a bug, logged, "internal error".
+        assert isinstance(await r.rpc(c.Twalk(1, 0, 1, ("badstat",))), c.Rwalk)
+        assert await r.rpc(c.Tstat(1, 1)) == c.Rerror(1, c.EINTERNAL)
+        assert "Rstat from the file system cannot be encoded" in caplog.text
+        # A reply that cannot fit in the msize is refused, not sent oversize.
+        await r.rpc(c.Twalk(1, 0, 2, ("hugestat",)))
+        reply = await r.rpc(c.Tstat(2, 2))
+        assert reply == c.Rerror(2, "reply does not fit in msize")
+        # An ename longer than the msize is cut (on a character boundary), NUL-free.
+        await r.walk_open(0, 3, ("longerr",), c.OREAD)
+        reply = await r.rpc(c.Tread(3, 3, 0, 10))
+        assert isinstance(reply, c.Rerror)
+        assert len(c.encode(reply)) <= 1000 and reply.ename.startswith("éé")
+        # More data than asked for is cut to the count.
+        await r.walk_open(0, 4, ("toomuch",), c.OREAD)
+        assert await r.rpc(c.Tread(4, 4, 0, 5)) == c.Rread(4, b"xxxxx")
+        # A write that claims more than it was given is a bug.
+        await r.walk_open(0, 5, ("liar",), c.OWRITE)
+        assert await r.rpc(c.Twrite(5, 5, 0, b"abc")) == c.Rerror(5, c.EINTERNAL)
+        # The connection is still fine.
+        assert isinstance(await r.rpc(c.Tstat(6, 0)), c.Rstat)
+    fs.assert_all_clunked()
+
+
+async def test_clunk_during_a_read_waits_for_the_read(served: Served) -> None:
+    """The file system never sees a read on a handle it was told to clunk."""
+    fs = served.fs
+    async with raw_connection(served.path) as r:
+        await r.version()
+        await r.attach(0)
+        await r.walk_open(0, 1, ("block",), c.OREAD)
+        await r.send(c.Tread(10, 1, 0, 5))
+        await fs.block_started.wait()
+        assert await r.rpc(c.Tclunk(11, 1)) == c.Rclunk(11)
+        assert len(fs.open_handles) == 1  # still reading: not clunked yet
+        assert await r.rpc(c.Tstat(12, 1)) == c.Rerror(12, c.EUNKNOWNFID)
+        assert await r.rpc(c.Tflush(13, 10)) == c.Rflush(13)
+        await settle()
+        assert fs.open_handles == {}
+        fs.assert_all_clunked()
+
+
+async def test_fid_limit() -> None:
+    async with weird_server(max_fids=3) as (r, _, stats):
+        await r.version()
+        await r.attach(0)
+        assert isinstance(await r.rpc(c.Twalk(1, 0, 1, ())), c.Rwalk)
+        assert isinstance(await r.rpc(c.Twalk(1, 0, 2, ())), c.Rwalk)
+        assert await r.rpc(c.Twalk(1, 0, 3, ())) == c.Rerror(1, "too many fids")
+        assert stats.fids == 3
+        assert await r.rpc(c.Tclunk(1, 2)) == c.Rclunk(1)
+        assert isinstance(await r.rpc(c.Twalk(1, 0, 3, ())), c.Rwalk)
+
+
+async def test_create_rules() -> None:
+    async with weird_server() as (r, _, _):
+        await r.version()
+        await r.attach(0)
+        await r.rpc(c.Twalk(1, 0, 1, ()))
+        reply = await r.rpc(c.Tcreate(2, 1, "d", c.DMDIR | 0o755, c.OWRITE))
+        assert reply == c.Rerror(2, c.EISDIR)
+        reply = await r.rpc(c.Tcreate(2, 1, "d", c.DMDIR | 0o755, c.OREAD))
+        assert isinstance(reply, c.Rcreate) and reply.qid.type == c.QTDIR
+        assert reply.iounit == 8192 - c.IOHDRSZ
+        # Now fid 1 is the new (open) directory: no second create, no walk.
+        reply = await r.rpc(c.Tcreate(2, 1, "e", 0o644, c.OREAD))
+        assert reply == c.Rerror(2, "fid already open")
+        assert await r.rpc(c.Twstat(3, 99, c.NOCHANGE)) == c.Rerror(3, c.EUNKNOWNFID)
+        assert await r.rpc(c.Tremove(3, 99)) == c.Rerror(3, c.EUNKNOWNFID)
+        assert await r.rpc(c.Tclunk(3, 99)) == c.Rerror(3, c.EUNKNOWNFID)

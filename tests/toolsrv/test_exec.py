@@ -1,0 +1,685 @@
+"""run_tool with real processes, real Landlock and real cgroups (no mocks).
+
+Tools are small Python or shell programs; what they could or could not do is read from their
+output and from /proc. Tests that need Landlock skip on kernels without it; the rest use a
+profile that runs unsandboxed there, so process handling is tested everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from toolsrv import exec as texec
+from toolsrv import sandbox
+from toolsrv.exec import ExecResult
+from toolsrv.sandbox import Profile, SandboxError
+
+ABI = sandbox.landlock_abi()
+needs_landlock = pytest.mark.skipif(
+    ABI == 0, reason="needs Landlock (Linux >= 5.13 with landlock in the active LSMs)"
+)
+needs_net_rules = pytest.mark.skipif(ABI < 4, reason="Landlock TCP rules need ABI 4 (Linux 6.7)")
+needs_scopes = pytest.mark.skipif(ABI < 6, reason="Landlock scopes need ABI 6 (Linux 6.12)")
+BASH = shutil.which("bash")
+
+DEFAULT = Profile(name="default")
+NETWORK = Profile(name="network", network=True)
+# For tests about process handling rather than confinement: runs on any kernel.
+PLAIN = Profile(name="plain", unsandboxed=ABI == 0)
+SHIPPED = Path(__file__).resolve().parents[2] / "agents" / "sandbox"
+
+
+@pytest.fixture(autouse=True)
+def exec_reaper() -> Iterator[None]:
+    """What the server does at start: orphans of tools come back to us and get reaped."""
+    texec.init_reaper()
+    yield
+    texec.stop_reaper()
+
+
+@dataclass
+class Box:
+    root: Path
+    cwd: Path  # a git checkout: src/ and .git/hooks/
+    tmp: Path
+    outside: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.tmp), **extra}
+
+    async def run(
+        self,
+        argv: list[str],
+        *,
+        profile: Profile = DEFAULT,
+        timeout: float = 30,
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
+        return await texec.run_tool(
+            argv,
+            stdin=stdin,
+            cwd=str(self.cwd),
+            env=self.env() if env is None else env,
+            write_roots=[str(self.cwd)],
+            tmp_dir=str(self.tmp),
+            profile=profile,
+            timeout=timeout,
+        )
+
+
+@pytest.fixture
+def exec_box(tmp_path: Path) -> Box:
+    cwd = tmp_path / "work"
+    (cwd / "src").mkdir(parents=True)
+    (cwd / ".git" / "hooks").mkdir(parents=True)
+    (cwd / ".git" / "config").write_text("[core]\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    outside = tmp_path / "outside"
+    (outside / "etc").mkdir(parents=True)
+    (outside / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    return Box(tmp_path, cwd, tmp, outside)
+
+
+def py(code: str, *args: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code), *args]
+
+
+# Tries each path; prints "<path> ok" or "<path> <ERRNO NAME>".
+WRITER = """
+    import errno, sys
+    for p in sys.argv[1:]:
+        try:
+            with open(p, "a") as f:
+                f.write("x")
+            print(p, "ok")
+        except OSError as e:
+            print(p, errno.errorcode[e.errno])
+"""
+
+
+def outcomes(res: ExecResult) -> dict[str, str]:
+    assert res.error is None and res.exit_code == 0, res
+    return dict(line.rsplit(" ", 1) for line in res.stdout.decode().splitlines())
+
+
+def state(pid: int) -> str | None:
+    """The process state letter (Z: zombie), or None once the pid is gone (reaped)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2 :].split()[0].decode()
+
+
+async def gone(pids: list[int], within: float = 3.0) -> list[int]:
+    """The pids still present (alive or zombie) after ``within`` seconds."""
+    with trio.move_on_after(within):
+        while any(state(p) is not None for p in pids):
+            await trio.sleep(0.01)
+    return [p for p in pids if state(p) is not None]
+
+
+async def read_pids(path: Path, count: int) -> list[int]:
+    with trio.fail_after(20):
+        while True:
+            if path.exists():
+                pids = [int(x) for x in path.read_text().split()]
+                if len(pids) >= count:
+                    return pids
+            await trio.sleep(0.01)
+
+
+# --- confinement ---------------------------------------------------------------------------
+
+
+@needs_landlock
+async def test_writes_inside_roots_only(exec_box: Box) -> None:
+    b = exec_box
+    inside = [b.cwd / "src" / "new.txt", b.tmp / "t.txt", Path("/dev/null")]
+    if sandbox.mount_namespaces():  # else .git is kept by per-entry rules: no new top level
+        inside.append(b.cwd / "top.txt")
+    outside = [b.outside / "x", b.outside / "etc" / "passwd", b.root / "sibling.txt"]
+    res = await b.run(py(WRITER, *map(str, inside + outside)))
+    got = outcomes(res)
+    for p in inside:
+        assert got[str(p)] == "ok", p
+    for p in outside:
+        assert got[str(p)] in ("EACCES", "EPERM"), p
+    assert (b.cwd / "src" / "new.txt").read_text() == "x"
+    assert not (b.outside / "x").exists()
+    assert (b.outside / "etc" / "passwd").read_text().startswith("root:x")
+
+
+@needs_landlock
+async def test_shell_redirections_and_tmp(exec_box: Box) -> None:
+    script = (
+        'echo a > /dev/null && echo b >/dev/stderr && echo c > "$HOME/f" && mkdir src/d && echo ok'
+    )
+    res = await exec_box.run(["sh", "-c", script])
+    assert (res.exit_code, res.stdout, res.stderr) == (0, b"ok\n", b"b\n")
+    assert (exec_box.tmp / "f").read_text() == "c\n"
+    assert (exec_box.cwd / "src" / "d").is_dir()
+
+
+@needs_landlock
+async def test_git_dir_stays_read_only(exec_box: Box) -> None:
+    b = exec_box
+    res = await b.run(py(WRITER, str(b.cwd / ".git" / "hooks" / "x"), str(b.cwd / "src" / "x")))
+    got = outcomes(res)
+    assert got[str(b.cwd / "src" / "x")] == "ok"
+    assert got[str(b.cwd / ".git" / "hooks" / "x")] in ("EROFS", "EACCES")
+    assert not (b.cwd / ".git" / "hooks" / "x").exists()
+    # Nor can it be moved, removed or replaced wholesale.
+    res = await b.run(["sh", "-c", "mv .git git2; rm -rf .git; echo done"])
+    assert res.stdout == b"done\n"
+    assert (b.cwd / ".git" / "config").read_text() == "[core]\n"
+    assert not (b.cwd / "git2").exists()
+
+
+def run_entered(prepared: sandbox.Prepared, argv: list[str]) -> dict[str, str]:
+    """What run_tool does, by hand: a fresh thread enters the sandbox, then spawns."""
+    box: list[subprocess.CompletedProcess[bytes] | BaseException] = []
+
+    def spawn() -> None:
+        try:
+            prepared.enter()
+            box.append(subprocess.run(argv, capture_output=True, check=True))
+        except BaseException as err:
+            box.append(err)
+
+    t = threading.Thread(target=spawn)
+    t.start()
+    t.join()
+    prepared.close()
+    done = box[0]
+    assert isinstance(done, subprocess.CompletedProcess), done
+    return dict(line.rsplit(" ", 1) for line in done.stdout.decode().splitlines())
+
+
+@needs_landlock
+def test_git_fallback_without_mount_namespace(exec_box: Box) -> None:
+    """Where namespaces are refused, Landlock rules per top-level entry protect .git."""
+    b = exec_box
+    prepared = sandbox.prepare(DEFAULT, [str(b.cwd), str(b.tmp)], mount_ns=False)
+    assert prepared.git_binds == ()
+    targets = [b.cwd / ".git" / "hooks" / "x", b.cwd / "src" / "x", b.cwd / "newtop", b.tmp / "x"]
+    got = run_entered(prepared, py(WRITER, *map(str, targets)))
+    assert got[str(b.cwd / ".git" / "hooks" / "x")] == "EACCES"
+    assert got[str(b.cwd / "src" / "x")] == "ok"
+    assert got[str(b.cwd / "newtop")] == "EACCES"  # the documented limitation
+    assert got[str(b.tmp / "x")] == "ok"
+
+
+@needs_landlock
+def test_old_abi_denies_tcp_with_a_network_namespace(exec_box: Box) -> None:
+    """Landlock before ABI 4 has no TCP rules: an empty network namespace stands in."""
+    if not sandbox.mount_namespaces():
+        pytest.skip("no namespaces here: with Landlock < 4 TCP cannot be denied")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = str(listener.getsockname()[1])
+        got = run_entered(sandbox.prepare(DEFAULT, [str(exec_box.cwd)], abi=3), py(CONNECT, port))
+        assert got["connect"] in ("ENETUNREACH", "ECONNREFUSED")
+        got = run_entered(sandbox.prepare(NETWORK, [str(exec_box.cwd)], abi=3), py(CONNECT, port))
+        assert got == {"connect": "ok", "bind": "ok"}
+
+
+def test_is_protected(exec_box: Box) -> None:
+    root = str(exec_box.cwd)
+    assert sandbox.is_protected(f"{root}/.git/config", [root])
+    assert sandbox.is_protected(f"{root}/.git", [root])
+    assert sandbox.is_protected(".git/hooks/pre-commit", [root])
+    assert not sandbox.is_protected(f"{root}/src/x", [root])
+    assert not sandbox.is_protected("src/.gitignore", [root])
+    (exec_box.cwd / "src" / "link").symlink_to("../.git")
+    assert sandbox.is_protected(f"{root}/src/link/config", [root])
+
+
+@needs_landlock
+async def test_extra_write_roots_from_profile(exec_box: Box) -> None:
+    b = exec_box
+    profile = Profile(
+        name="extra", write=["${EXTRA}", "${UNSET_VAR}/x", "~/not-there", "relative/${EXTRA}"]
+    )
+    env = b.env(EXTRA=str(b.outside / "etc"))
+    res = await b.run(
+        py(WRITER, str(b.outside / "etc" / "y"), str(b.outside / "z")), env=env, profile=profile
+    )
+    got = outcomes(res)
+    assert got[str(b.outside / "etc" / "y")] == "ok"
+    assert got[str(b.outside / "z")] == "EACCES"
+    assert sandbox.expand_write(profile.write, env) == [str(b.outside / "etc")]
+    assert sandbox.expand_write(["~"], {"HOME": str(b.tmp)}) == [str(b.tmp)]
+
+
+CONNECT = """
+    import errno, socket, sys
+    s = socket.socket()
+    try:
+        s.connect(("127.0.0.1", int(sys.argv[1])))
+        print("connect ok")
+    except OSError as e:
+        print("connect", errno.errorcode[e.errno])
+    b = socket.socket()
+    try:
+        b.bind(("127.0.0.1", 0))
+        print("bind ok")
+    except OSError as e:
+        print("bind", errno.errorcode[e.errno])
+"""
+
+
+@needs_net_rules
+async def test_tcp_denied_unless_network_profile(exec_box: Box) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = str(listener.getsockname()[1])
+        got = outcomes(await exec_box.run(py(CONNECT, port)))
+        assert got == {"connect": "EACCES", "bind": "EACCES"}
+        got = outcomes(await exec_box.run(py(CONNECT, port), profile=NETWORK))
+        assert got == {"connect": "ok", "bind": "ok"}
+
+
+@needs_scopes
+async def test_cannot_signal_outside_or_reach_abstract_sockets(exec_box: Box) -> None:
+    name = f"\0olliefs-test-{os.getpid()}"
+    code = """
+        import errno, os, socket, sys
+        try:
+            os.kill(int(sys.argv[1]), 0)
+            print("signal ok")
+        except OSError as e:
+            print("signal", errno.errorcode[e.errno])
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(sys.argv[2].replace("@", "\\0"))
+            print("abstract ok")
+        except OSError as e:
+            print("abstract", errno.errorcode[e.errno])
+    """
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(name)
+        listener.listen(1)
+        res = await exec_box.run(py(code, str(os.getpid()), name.replace("\0", "@")))
+    assert outcomes(res) == {"signal": "EPERM", "abstract": "EPERM"}
+
+
+@needs_landlock
+async def test_no_new_privs_and_capabilities(exec_box: Box) -> None:
+    res = await exec_box.run(["grep", "-E", "^(NoNewPrivs|CapEff|CapPrm):", "/proc/self/status"])
+    fields = dict(line.split(":\t") for line in res.stdout.decode().splitlines())
+    assert fields["NoNewPrivs"] == "1"
+    if os.geteuid() == 0:  # root keeps file rights, but nothing Landlock does not cover
+        eff = int(fields["CapEff"], 16)
+        for cap in (16, 21, 24, 12, 22, 13):  # MODULE, SYS_ADMIN, RESOURCE, NET_ADMIN, BOOT, RAW
+            assert not eff & (1 << cap), cap
+        assert eff & (1 << 1)  # DAC_OVERRIDE
+        assert int(fields["CapPrm"], 16) == eff
+
+
+async def test_refuses_without_landlock(exec_box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)
+    with pytest.raises(SandboxError) as info:
+        await exec_box.run(["true"])
+    assert str(info.value) == (
+        "landlock unavailable: refusing to run tools unsandboxed "
+        "(set unsandboxed = true in sandbox/default.toml to allow)"
+    )
+    # Opted out: runs, without Landlock, still with NNP and its own session.
+    loose = Profile(name="loose", unsandboxed=True)
+    code = """
+        import os
+        status = open("/proc/self/status").read()
+        print(os.getsid(0) == os.getpid(), status.count("NoNewPrivs:\\t1"))
+    """
+    target = exec_box.outside / "written"
+    script = f"echo hi > {target} && exec {shlex.join(py(code))}"
+    res = await exec_box.run(["sh", "-c", script], profile=loose)
+    assert res.stdout == b"True 1\n"
+    assert target.read_text() == "hi\n"
+
+
+# --- process handling ----------------------------------------------------------------------
+
+
+async def test_exit_status_signal_and_output(exec_box: Box) -> None:
+    res = await exec_box.run(["sh", "-c", "echo out; echo err >&2; exit 3"], profile=PLAIN)
+    assert (res.exit_code, res.signal, res.stdout, res.stderr) == (3, None, b"out\n", b"err\n")
+    assert not res.timed_out and res.error is None
+    res = await exec_box.run(["sh", "-c", "kill -9 $$"], profile=PLAIN)
+    assert (res.exit_code, res.signal) == (None, signal.SIGKILL)
+
+
+async def test_env_is_exactly_what_was_given(exec_box: Box) -> None:
+    env = {"PATH": "/usr/bin:/bin", "ONLY": "this"}
+    res = await exec_box.run(["env"], env=env, profile=PLAIN)
+    assert sorted(res.stdout.decode().splitlines()) == ["ONLY=this", "PATH=/usr/bin:/bin"]
+
+
+async def test_stdin_big_and_unread(exec_box: Box) -> None:
+    data = os.urandom(3 << 20)
+    big = Profile(name="big", unsandboxed=ABI == 0, max_output=4 << 20)
+    res = await exec_box.run(["cat"], stdin=data, profile=big)
+    assert res.stdout == data and res.stdout_dropped == 0
+    with trio.fail_after(10):  # a tool that never reads its stdin must not hang the call
+        res = await exec_box.run(["true"], stdin=data, profile=PLAIN)
+    assert res.exit_code == 0
+
+
+async def test_spawn_failures_are_results(exec_box: Box) -> None:
+    res = await exec_box.run(["/nonexistent/tool"], profile=PLAIN)
+    assert res.error == "cannot run /nonexistent/tool: not found"
+    assert res.exit_code is None
+    res = await exec_box.run(["no-such-tool-anywhere"], profile=PLAIN)
+    assert res.error is not None and "not found" in res.error
+    script = exec_box.cwd / "noexec.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    res = await exec_box.run([str(script)], profile=PLAIN)
+    assert res.error is not None and "Permission denied" in res.error
+    res = await texec.run_tool(
+        ["true"],
+        stdin=b"",
+        cwd=str(exec_box.root / "missing"),
+        env=exec_box.env(),
+        write_roots=[],
+        tmp_dir=str(exec_box.tmp),
+        profile=PLAIN,
+        timeout=5,
+    )
+    assert res.error is not None and "missing" in res.error
+    assert (await exec_box.run([], profile=PLAIN)).error == "empty command"
+
+
+async def test_output_capped_and_runaway_ended_by_timeout(exec_box: Box) -> None:
+    small = Profile(name="small", unsandboxed=ABI == 0, max_output=1000)
+    res = await exec_box.run(["sh", "-c", "yes & exec yes err >&2"], profile=small, timeout=1)
+    assert res.timed_out and res.signal == signal.SIGKILL
+    assert res.stdout == b"y\n" * 500 and res.stderr == b"err\n" * 250
+    assert res.stdout_dropped > 0 and res.stderr_dropped > 0
+
+
+async def test_limits_and_timeout_cap(exec_box: Box) -> None:
+    profile = Profile(name="lim", unsandboxed=ABI == 0, max_memory=1 << 30, timeout_cap=1)
+    res = await exec_box.run(["cat", "/proc/self/limits"], profile=profile)
+    limits = {line[:26].strip(): line[26:].split()[:2] for line in res.stdout.decode().splitlines()}
+    assert limits["Max address space"] == [str(1 << 30)] * 2
+    assert limits["Max core file size"][0] == "0"
+    with trio.fail_after(10):
+        res = await exec_box.run(["sleep", "30"], profile=profile, timeout=60)
+    assert res.timed_out
+
+
+async def test_background_children_die_with_the_call(exec_box: Box) -> None:
+    with trio.fail_after(10):
+        res = await exec_box.run(["sh", "-c", "sleep 100 & echo $!"], profile=PLAIN)
+    assert res.exit_code == 0
+    assert state(int(res.stdout)) in (None, "Z")
+    assert await gone([int(res.stdout)]) == []
+
+
+# Every process appends its pid to argv[1]: the leader, three children ignoring SIGTERM, one
+# that leaves the session with setsid() and its own child.
+SPREAD = """
+    import os, signal, sys, time
+    def note():
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+    def linger():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        note()
+        while True:
+            time.sleep(1)
+    note()
+    for _ in range(3):
+        if os.fork() == 0:
+            linger()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            linger()
+        linger()
+    time.sleep(1000)
+"""
+
+
+async def test_cancel_kills_everything(exec_box: Box) -> None:
+    pidfile = exec_box.tmp / "pids"
+    scope = trio.CancelScope()
+    after: dict[int, str | None] = {}
+    async with trio.open_nursery() as nursery:
+
+        async def call() -> None:
+            with scope:
+                await exec_box.run(py(SPREAD, str(pidfile)), profile=PLAIN)
+                pytest.fail("run_tool returned although cancelled")
+            after.update((p, state(p)) for p in await read_pids(pidfile, 6))
+
+        nursery.start_soon(call)
+        pids = await read_pids(pidfile, 6)
+        assert all(state(p) not in (None, "Z") for p in pids)
+        scope.cancel()
+    assert scope.cancelled_caught
+    # When run_tool raised, nothing was alive and the leader was reaped ...
+    assert after[pids[0]] is None
+    assert all(s in (None, "Z") for s in after.values()), after
+    # ... and the zombies of the others are reaped by the reaper right after.
+    assert await gone(pids) == []
+
+
+async def test_timeout_kills_everything(exec_box: Box) -> None:
+    pidfile = exec_box.tmp / "pids"
+    res = await exec_box.run(py(SPREAD, str(pidfile)), profile=PLAIN, timeout=2)
+    pids = await read_pids(pidfile, 6)
+    assert res.timed_out and res.signal == signal.SIGKILL
+    assert state(pids[0]) is None
+    assert all(state(p) in (None, "Z") for p in pids)
+    assert await gone(pids) == []
+
+
+async def test_orphans_of_calls_in_flight_are_left_alone(exec_box: Box) -> None:
+    """The end of one call must not kill what a call still running has re-parented to us."""
+    marker = exec_box.tmp / "marker"
+    slow = f"(setsid sh -c 'sleep 1; echo late > {marker}' &); sleep 2; cat {marker}"
+    results: list[ExecResult] = []
+    async with trio.open_nursery() as nursery:
+
+        async def slow_call() -> None:
+            results.append(await exec_box.run(["sh", "-c", slow], profile=PLAIN))
+
+        nursery.start_soon(slow_call)
+        await trio.sleep(0.3)
+        quick = await exec_box.run(["sh", "-c", "(setsid sleep 100 &); echo quick"], profile=PLAIN)
+        assert quick.stdout == b"quick\n"
+    assert results[0].stdout == b"late\n"
+
+
+@pytest.fixture
+def exec_capped() -> bool:
+    """Whether a pids cgroup caps calls (else RLIMIT_NPROC does, except for root)."""
+    capped = "pids" in texec.cgroup_mode()
+    if not capped and os.geteuid() == 0:
+        pytest.skip("no writable pids cgroup, and root is exempt from RLIMIT_NPROC: no cap")
+    return capped
+
+
+@pytest.mark.skipif(BASH is None, reason="the fork bomb is written for bash")
+async def test_fork_bomb_is_contained(exec_box: Box, exec_capped: bool) -> None:
+    assert BASH is not None
+    capped = exec_capped
+    pidfile = exec_box.tmp / "leader"
+    # Guarded: it stops forking after 2 s by itself, even if it were not contained.
+    bomb = f"echo $$ > {pidfile}; f() {{ [ $SECONDS -lt 2 ] && {{ f | f & }}; }}; f; sleep 30"
+    limit = 40
+    profile = Profile(name="bomb", unsandboxed=ABI == 0, max_procs=limit)
+    baseline = int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+    peak = 0
+    result: list[ExecResult] = []
+    async with trio.open_nursery() as nursery:
+
+        async def call() -> None:
+            result.append(await exec_box.run([BASH, "-c", bomb], profile=profile, timeout=3))
+
+        nursery.start_soon(call)
+        (leader,) = await read_pids(pidfile, 1)
+        while not result:
+            peak = max(peak, len(session(leader)))
+            await trio.sleep(0.02)
+    res = result[0]
+    assert res.timed_out
+    assert peak > 5  # it did try
+    # pids.max caps the call; RLIMIT_NPROC (the fallback) caps all processes of the user.
+    assert peak <= (limit if capped else baseline + limit), (peak, texec.cgroup_mode())
+    assert all(state(p) in (None, "Z") for p in session(leader))
+    assert await gone(session(leader)) == []
+    assert (await exec_box.run(["true"], profile=PLAIN)).exit_code == 0  # the machine is fine
+
+
+def session(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                data = Path(f"/proc/{entry}/stat").read_bytes()
+            except OSError:
+                continue
+            if int(data[data.rindex(b")") + 2 :].split()[3]) == sid:
+                out.append(int(entry))
+    return out
+
+
+REAPER_SCRIPT = """
+import json, os, sys, trio
+from pathlib import Path
+from toolsrv import exec as texec
+from toolsrv.sandbox import Profile
+
+def state(pid):
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2 :].split()[0].decode()
+
+async def main():
+    texec.init_reaper()
+    cwd, tmp, code = sys.argv[1:4]
+    profile = Profile(name="t", unsandboxed=sys.argv[4] == "1")
+    res = await texec.run_tool(
+        [sys.executable, "-c", code, tmp + "/pids"], stdin=b"", cwd=cwd,
+        env={"PATH": "/usr/bin:/bin"}, write_roots=[cwd], tmp_dir=tmp, profile=profile, timeout=2,
+    )
+    pids = [int(x) for x in Path(tmp, "pids").read_text().split()]
+    at_return = {p: state(p) for p in pids}
+    with trio.move_on_after(3):
+        while any(state(p) is not None for p in pids):
+            await trio.sleep(0.01)
+    print(json.dumps({"mode": texec.cgroup_mode(), "timed_out": res.timed_out,
+                      "at_return": at_return, "later": {p: state(p) for p in pids}}))
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize("mode", ["off", "v1", "v2"])
+def test_kill_in_each_cgroup_mode(exec_box: Box, mode: str) -> None:
+    """The setsid() escapee and its child die with the call whatever the cgroup setup:
+    killed through the cgroup, or without one by the subreaper's sweep. In a fresh process,
+    as each mode is chosen once per process (TOOLSRV_CGROUPS)."""
+    env = {**os.environ, "TOOLSRV_CGROUPS": mode}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            REAPER_SCRIPT,
+            str(exec_box.cwd),
+            str(exec_box.tmp),
+            textwrap.dedent(SPREAD),
+            "1" if ABI == 0 else "0",
+        ],
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = json.loads(proc.stdout)
+    if not out["mode"].startswith("none" if mode == "off" else mode):
+        pytest.skip(f"no writable cgroup {mode} here ({out['mode']})")
+    assert out["timed_out"]
+    assert len(out["at_return"]) == 6
+    assert all(s in (None, "Z") for s in out["at_return"].values()), out
+    assert all(s is None for s in out["later"].values()), out
+
+
+# --- profiles ------------------------------------------------------------------------------
+
+
+def write(d: Path, name: str, text: str) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.toml").write_text(text)
+    return d
+
+
+def test_shipped_profiles_load() -> None:
+    profiles = {p.stem: sandbox.load_profile([SHIPPED], p.stem) for p in SHIPPED.glob("*.toml")}
+    assert set(profiles) >= {"default", "network", "ollie", "memory"}
+    assert profiles["default"] == Profile(name="default")
+    assert profiles["network"].network and not profiles["default"].network
+    assert profiles["ollie"].write == ["${OLLIE}"]
+    assert profiles["memory"].write == ["${OLLIE_MEMORY_DIR}"]
+
+
+def test_profile_first_dir_wins(tmp_path: Path) -> None:
+    user = write(tmp_path / "user", "default", "network = true\nmax_procs = 12\ntimeout_cap = 5\n")
+    got = sandbox.load_profile([user, SHIPPED], "default")
+    assert got == Profile(name="default", network=True, max_procs=12, timeout_cap=5.0)
+    assert sandbox.load_profile([user, SHIPPED], "ollie").write == ["${OLLIE}"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("netwrok = true\n", "unknown field `netwrok`"),
+        ('network = "yes"\n', "Expected `bool`, got `str` - at `$.network`"),
+        ("max_procs = 0\n", "Expected `int` >= 1 - at `$.max_procs`"),
+        ('write = "/tmp"\n', "Expected `array`, got `str` - at `$.write`"),
+        ('name = "other"\n', "unknown key 'name'"),
+        ("network = \n", "invalid TOML"),
+    ],
+)
+def test_profile_errors(tmp_path: Path, text: str, expect: str) -> None:
+    d = write(tmp_path, "broken", text)
+    with pytest.raises(SandboxError) as info:
+        sandbox.load_profile([d], "broken")
+    msg = str(info.value)
+    assert expect in msg and str(d / "broken.toml") in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("name", ["Default", "../default", "a b", "", "x.toml"])
+def test_profile_bad_names(name: str) -> None:
+    with pytest.raises(SandboxError, match="invalid sandbox profile name"):
+        sandbox.load_profile([SHIPPED], name)
+
+
+def test_profile_missing(tmp_path: Path) -> None:
+    with pytest.raises(SandboxError, match="no sandbox profile 'nope'"):
+        sandbox.load_profile([tmp_path, SHIPPED], "nope")
