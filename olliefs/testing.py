@@ -229,7 +229,10 @@ class Daemon:
 
 
 class ToolsrvProc:
-    def __init__(self, base: Path, *, tools_dirs: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self, base: Path, *, tools_dirs: tuple[Path, ...] = (), log_level: str = "DEBUG"
+    ) -> None:
+        self.log_level = log_level
         self.base = base
         self.socket = str(base / "toolsrv.sock")
         self.tmp_root = base / "tooltmp"
@@ -240,7 +243,7 @@ class ToolsrvProc:
 
     def start(self) -> None:
         argv = [sys.executable, "-m", "toolsrv", "--socket", self.socket]
-        argv += ["--tmp-dir", str(self.tmp_root), "--exit-with-stdin", "--log-level", "DEBUG"]
+        argv += ["--tmp-dir", str(self.tmp_root), "--exit-with-stdin", "--log-level", self.log_level]
         for d in self.tools_dirs:
             argv += ["--tools-dir", str(d)]
         with open(self.log_path, "ab") as log:
@@ -295,8 +298,10 @@ class ToolsrvProc:
 
 
 @contextmanager
-def running_toolsrv(base: Path, **kw: tuple[Path, ...]) -> Iterator[ToolsrvProc]:
-    t = ToolsrvProc(base, **kw)
+def running_toolsrv(
+    base: Path, *, tools_dirs: tuple[Path, ...] = (), log_level: str = "DEBUG"
+) -> Iterator[ToolsrvProc]:
+    t = ToolsrvProc(base, tools_dirs=tools_dirs, log_level=log_level)
     t.start()
     try:
         yield t

@@ -131,6 +131,8 @@ class ToolServer(BaseFileSystem):
         self.nursery = nursery
         self.initial_tools = initial_tools
         self.agents: dict[str, Agent] = {}
+        self._profiles: dict[str, tuple[tuple[tuple[int, int] | None, ...], sandbox.Profile]] = {}
+        self._tmp_made: set[Path] = set()
         self._qids: dict[tuple[object, ...], int] = {}
         self.started = time.time()
 
@@ -434,12 +436,31 @@ class ToolServer(BaseFileSystem):
         """The session's scratch dir: writable by its tools, private to it."""
         owner = req.env.get("OLLIE_SESSION_ID") or agent.id
         tmp = self.tmp_root / _SAFE.sub("_", owner)
-        tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if tmp not in self._tmp_made or not tmp.is_dir():
+            tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._tmp_made.add(tmp)
         return tmp
+
+    def profile(self, name: str) -> sandbox.Profile:
+        """The sandbox profile, parsed again only when one of its candidate files changed."""
+        stamp: list[tuple[int, int] | None] = []
+        for d in self.sandbox_dirs:
+            try:
+                st = os.stat(d / f"{name}.toml")
+                stamp.append((st.st_mtime_ns, st.st_size))
+            except (OSError, ValueError):
+                stamp.append(None)
+        key = tuple(stamp)
+        hit = self._profiles.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        prof = sandbox.load_profile(self.sandbox_dirs, name)
+        self._profiles[name] = (key, prof)
+        return prof
 
     async def _execute(self, proc: Proc, info: ToolInfo, req: CallRequest) -> CallResult:
         try:
-            profile = sandbox.load_profile(self.sandbox_dirs, info.sandbox)
+            profile = self.profile(info.sandbox)
         except sandbox.SandboxError as err:
             return CallResult([Content(f"sandbox profile {info.sandbox!r}: {err}")], True)
         tmp = self.tmp_dir(req, proc.agent)

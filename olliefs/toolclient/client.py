@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -35,11 +36,27 @@ class ToolsrvError(Exception):
     """toolsrv refused or could not be reached; ``str()`` is fit for ``chat``."""
 
 
+@dataclass
+class Slot:
+    """A proc made ready ahead of its call: ``call`` open for writing, ``result`` for reading."""
+
+    n: str
+    call: int
+    result: int
+
+
 class ToolsrvConn:
-    def __init__(self, client: Client, root: int, agent_id: str) -> None:
+    """One agent's attach. ``call`` keeps one proc slot warm (see ``call``)."""
+
+    def __init__(
+        self, client: Client, root: int, agent_id: str, nursery: trio.Nursery | None = None
+    ) -> None:
         self.client = client
         self.root = root
         self.agent_id = agent_id
+        self._nursery = nursery
+        self._slot: Slot | None = None
+        self._filling: trio.Event | None = None
 
     async def _read(self, path: str) -> bytes:
         try:
@@ -96,36 +113,80 @@ class ToolsrvConn:
     ) -> CallResult:
         """Run one tool; the result JSON of ``proc/N/result``.
 
-        Ten round trips: walk/open/read ``proc/new``; then ``call`` and ``result`` are
-        walked and opened side by side; write; read. Clunks are not waited for.
+        Making a proc costs five round trips (walk/open/read ``proc/new``, then walk and
+        open ``call`` and ``result`` side by side); the call itself two (write ``call``,
+        read ``result``). So that a tool call waits only for the two, the connection keeps
+        one proc made ahead: it is taken here, and the next one is made in the background
+        once this call has its result. Clunks are not waited for.
         """
         c = self.client
         req = _json.encode(CallRequest(tool, dict(args), cwd, dict(env)))
         try:
-            fid = await c.walk(self.root, ["proc", "new"])
+            slot = await self._take_slot()
             try:
-                await c.open(fid, OREAD)
-                n = (await c.read(fid, 0, 32)).decode().strip()
+                await c.write(slot.call, 0, req)
+                return _result.decode(await self._read_result(slot.result))
             finally:
-                c.clunk_nowait(fid)
-            fids: dict[str, int] = {}
-
-            async def prep(name: str, mode: int) -> None:
-                f = await c.walk(self.root, ["proc", n, name])
-                fids[name] = f
-                await c.open(f, mode)
-
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(prep, "call", OWRITE)
-                    nursery.start_soon(prep, "result", OREAD)
-                await c.write(fids["call"], 0, req)
-                return _result.decode(await self._read_result(fids["result"]))
-            finally:
-                for f in fids.values():
-                    c.clunk_nowait(f)
+                c.clunk_nowait(slot.call)
+                c.clunk_nowait(slot.result)
+                self._refill()
         except NinePError as err:
             raise ToolsrvError(f"toolsrv: {tool}: {err.ename}") from None
+
+    async def _take_slot(self) -> Slot:
+        """The warm slot; or the one being made (it is already on its way); or a new one."""
+        if self._slot is None and self._filling is not None:
+            await self._filling.wait()
+        slot, self._slot = self._slot, None
+        return slot if slot is not None else await self._make_slot()
+
+    async def _make_slot(self) -> Slot:
+        c = self.client
+        fid = await c.walk(self.root, ["proc", "new"])
+        try:
+            await c.open(fid, OREAD)
+            n = (await c.read(fid, 0, 32)).decode().strip()
+        finally:
+            c.clunk_nowait(fid)
+        fids: dict[str, int] = {}
+
+        async def prep(name: str, mode: int) -> None:
+            f = await c.walk(self.root, ["proc", n, name])
+            fids[name] = f
+            await c.open(f, mode)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(prep, "call", OWRITE)
+                nursery.start_soon(prep, "result", OREAD)
+        except BaseException:
+            for f in fids.values():
+                c.clunk_nowait(f)
+            raise
+        return Slot(n, fids["call"], fids["result"])
+
+    def _refill(self) -> None:
+        """Make the next slot in the background, after a call: by the time the model asks
+        for the next tool it is ready (made while the model was thinking)."""
+        if self._nursery is None or self._filling is not None or self._slot is not None:
+            return
+        self._filling = trio.Event()
+        self._nursery.start_soon(self._fill, self._filling)
+
+    async def _fill(self, done: trio.Event) -> None:
+        try:
+            slot = await self._make_slot()
+        except NinePError as err:  # the connection is going away; the next call says so
+            log.debug("no warm proc slot: %s", err.ename)
+            return
+        finally:
+            self._filling = None
+            done.set()
+        if self._slot is None:
+            self._slot = slot
+        else:
+            self.client.clunk_nowait(slot.call)
+            self.client.clunk_nowait(slot.result)
 
     async def _read_result(self, fid: int) -> bytes:
         # toolsrv answers the whole result in one read when it fits; a full read means
@@ -148,6 +209,8 @@ async def connect(socket_path: str, key: bytes, agent_id: str) -> AsyncIterator[
                 root = await client.attach(agent_id, agent_secret(key, agent_id))
             except NinePError as err:
                 raise ToolsrvError(f"toolsrv: attach refused: {err.ename}") from None
-            yield ToolsrvConn(client, root, agent_id)
+            async with trio.open_nursery() as nursery:
+                yield ToolsrvConn(client, root, agent_id, nursery)
+                nursery.cancel_scope.cancel()
     except OSError as err:
         raise ToolsrvError(f"toolsrv unreachable at {socket_path}: {err.strerror or err}") from None
