@@ -156,6 +156,14 @@ def run_daemon(mnt: str, p: Paths, ready_fd: int | None, verbose: bool) -> int:
 def cmd_mount(args: argparse.Namespace) -> int:
     p = paths()
     mnt = os.path.abspath(os.path.expanduser(args.mountpoint or default_mountpoint()))
+    if args.toolsrv:
+        # A remote toolsrv: the daemon (and its forked child) read these as settings.
+        if not args.toolsrv.startswith("unix:"):
+            raise CliError(f"--toolsrv: only unix:PATH is supported: {args.toolsrv}")
+        if not args.toolsrv_key_file:
+            raise CliError("--toolsrv needs --toolsrv-key-file (the key toolsrv was started with)")
+        os.environ["OLLIE_TOOLSRV"] = args.toolsrv
+        os.environ["OLLIE_TOOLSRV_KEY_FILE"] = os.path.abspath(args.toolsrv_key_file)
     p.ensure()
     install_defaults(p)
     if args.ready_fd is not None:  # the daemon child; the parent did the checks
@@ -233,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("mountpoint", nargs="?")
     m.add_argument("-f", "--foreground", action="store_true")
     m.add_argument("-v", "--verbose", action="store_true")
+    m.add_argument("--toolsrv", metavar="unix:PATH", help="use this toolsrv, not a spawned one")
+    m.add_argument("--toolsrv-key-file", metavar="FILE", help="the hex key that toolsrv uses")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(fn=cmd_mount)
     u = sub.add_parser("umount", help="unmount and stop the daemon")

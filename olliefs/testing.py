@@ -142,13 +142,18 @@ class Daemon:
         return (self.base / "daemon.stderr").read_text(errors="replace")
 
     def check_log(self) -> None:
+        """No ERROR or traceback in the daemon's log, nor in the toolsrv it spawned."""
+        try:
+            tlog = (self.home / "state" / "toolsrv.log").read_text(errors="replace")
+        except FileNotFoundError:
+            tlog = ""
         bad = [
             line
-            for line in self.stderr().splitlines()
+            for line in self.stderr().splitlines() + tlog.splitlines()
             if (" ERROR " in line or "Traceback" in line)
             and not any(a in line for a in self.allowed_errors)
         ]
-        assert not bad, "daemon logged errors:\n" + "\n".join(bad)
+        assert not bad, "daemon or toolsrv logged errors:\n" + "\n".join(bad)
 
     # ---- file helpers ---------------------------------------------------------------
 
@@ -233,6 +238,7 @@ class ToolsrvProc:
         self, base: Path, *, tools_dirs: tuple[Path, ...] = (), log_level: str = "DEBUG"
     ) -> None:
         self.log_level = log_level
+        base.mkdir(parents=True, exist_ok=True)
         self.base = base
         self.socket = str(base / "toolsrv.sock")
         self.tmp_root = base / "tooltmp"
@@ -243,7 +249,8 @@ class ToolsrvProc:
 
     def start(self) -> None:
         argv = [sys.executable, "-m", "toolsrv", "--socket", self.socket]
-        argv += ["--tmp-dir", str(self.tmp_root), "--exit-with-stdin", "--log-level", self.log_level]
+        argv += ["--tmp-dir", str(self.tmp_root), "--exit-with-stdin"]
+        argv += ["--log-level", self.log_level]
         for d in self.tools_dirs:
             argv += ["--tools-dir", str(d)]
         with open(self.log_path, "ab") as log:

@@ -92,6 +92,10 @@ def test_mount_errors_are_one_clear_line(cli: Cli, tmp_path: Path) -> None:
     r = cli.run("mount", str(not_dir))
     assert r.returncode == 1 and "not a directory" in r.stderr
     assert cli.run("umount").stderr == "ollie: not mounted\n"
+    nokey = cli.run("mount", "--toolsrv", "unix:/x.sock", str(cli.mnt))
+    assert nokey.returncode == 1 and "--toolsrv needs --toolsrv-key-file" in nokey.stderr
+    tcp = cli.run("mount", "--toolsrv", "tcp:1.2.3.4:5", "--toolsrv-key-file", "k", str(cli.mnt))
+    assert tcp.returncode == 1 and "only unix:PATH" in tcp.stderr
 
 
 def test_stale_mount_of_a_killed_daemon_is_cleared(cli: Cli) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from olliefs.testing import running_toolsrv
 from tests.conftest import Daemon, oserror, script
 
 
@@ -289,3 +291,39 @@ def test_loaded_tools_survive_a_restart(daemon: Daemon) -> None:
     daemon.prompt(sid, "go")
     daemon.wait_idle(sid)
     assert sorted(sent_tools(daemon, 0)) == ["client_9p", "file_grep"]
+
+
+def test_a_given_toolsrv_is_used_instead_of_spawning_one(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    with running_toolsrv(tmp_path / "remote") as srv:
+        key = tmp_path / "toolsrv.key"
+        key.write_text(srv.key.hex() + "\n")
+        d = daemon_factory(OLLIE_TOOLSRV=f"unix:{srv.socket}", OLLIE_TOOLSRV_KEY_FILE=str(key))
+        d.replay.add(script(calls(call("reasoning_think", {"thought": "hm"}, "c1")), reply("ok")))
+        with d.running():
+            sid = d.new(name="t")
+            d.write(f"s/{sid}/ctl", "tool_load reasoning_think")
+            d.prompt(sid, "think")
+            d.wait_idle(sid)
+            assert '-> reasoning_think({"thought":"hm"})\nok\n' in d.read(f"s/{sid}/chat")
+            assert not (d.home / "run" / "toolsrv.sock").exists()
+            assert not (d.home / "state" / "toolsrv.log").exists()  # none was spawned
+
+
+def test_a_wrong_toolsrv_key_is_an_error_line_not_a_crash(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    with running_toolsrv(tmp_path / "remote") as srv:
+        key = tmp_path / "toolsrv.key"
+        key.write_text("00" * 32 + "\n")
+        d = daemon_factory(OLLIE_TOOLSRV=f"unix:{srv.socket}", OLLIE_TOOLSRV_KEY_FILE=str(key))
+        d.replay.add(script(reply("no tools today")))
+        with d.running():
+            sid = d.new(name="t")
+            d.prompt(sid, "hi")
+            d.wait_idle(sid)
+            chat = d.read(f"s/{sid}/chat")
+            assert "error: toolsrv: attach refused: authentication failed (going on without" in chat
+            assert chat.endswith("assistant: no tools today\n")
+            assert "tools" not in d.replay.requests[-1]
