@@ -493,9 +493,9 @@ class Session:
         answered = {m.tool_call_id for m in msgs[last + 1 :] if m.role == "tool"}
         for call in msgs[last].tool_calls:
             if call.id not in answered:
-                self.add_message(
-                    Message("tool", f"[tool error] {why}", tool_call_id=call.id, name=call.name)
-                )
+                text = f"[tool error] {why}"
+                self.emit("tool", text, name=call.name)
+                self.add_message(Message("tool", text, tool_call_id=call.id, name=call.name))
 
     def _clear(self) -> None:
         self.record(persist.Clear())

@@ -1,10 +1,10 @@
 """The daemon's toolsrv: spawned on first use, respawned if it died, or a remote one.
 
 Local (default): ``toolsrv`` runs as a child in its own session (a Ctrl-C meant for a
-foreground ``ollie mount -f`` is not its business), listening on ``run/toolsrv.sock``
-(0600). olliefs mints a fresh master key per spawn and hands it over on the child's stdin,
-which it keeps open: toolsrv exits when that pipe closes, so a daemon killed with SIGKILL
-does not leave a tool server behind.
+foreground ``ollie mount -f`` is not its business), listening on
+``run/toolsrv-<daemon pid>-<n>.sock`` (0600). olliefs mints a fresh master key per spawn
+and hands it over on the child's stdin, which it keeps open: toolsrv exits when that pipe
+closes, so a daemon killed with SIGKILL does not leave a tool server behind.
 
 Remote: ``OLLIE_TOOLSRV=unix:/path/to.sock`` with ``OLLIE_TOOLSRV_KEY_FILE`` (the hex key
 that toolsrv was started with, ``--key-file``).
@@ -67,7 +67,8 @@ class Toolsrv:
             return self._socket, self._key
 
     async def _spawn(self) -> None:
-        sock = self.paths.run / "toolsrv.sock"
+        # One name per spawn: a toolsrv of a crashed daemon may still be on its way out.
+        sock = self.paths.run / f"toolsrv-{os.getpid()}-{self.spawns}.sock"
         key = secrets.token_bytes(32)
         argv = [
             sys.executable,
@@ -138,6 +139,6 @@ class Toolsrv:
                 proc.kill()
                 await proc.wait()
         try:
-            os.unlink(self.paths.run / "toolsrv.sock")
+            os.unlink(self._socket)
         except FileNotFoundError:
             pass

@@ -307,7 +307,7 @@ def test_a_given_toolsrv_is_used_instead_of_spawning_one(
             d.prompt(sid, "think")
             d.wait_idle(sid)
             assert '-> reasoning_think({"thought":"hm"})\nok\n' in d.read(f"s/{sid}/chat")
-            assert not (d.home / "run" / "toolsrv.sock").exists()
+            assert not list((d.home / "run").glob("toolsrv*.sock"))
             assert not (d.home / "state" / "toolsrv.log").exists()  # none was spawned
 
 
@@ -327,3 +327,25 @@ def test_a_wrong_toolsrv_key_is_an_error_line_not_a_crash(
             assert "error: toolsrv: attach refused: authentication failed (going on without" in chat
             assert chat.endswith("assistant: no tools today\n")
             assert "tools" not in d.replay.requests[-1]
+
+
+def test_a_crashed_daemon_leaves_no_tool_running(daemon: Daemon) -> None:
+    w = workdir(daemon)
+    code = "trap '' TERM; (trap '' TERM; sleep 1000) & echo $! > pids; echo $$ >> pids; wait"
+    daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1"))))
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
+    daemon.prompt(sid, "go")
+    pids_file = w / "pids"
+    daemon.wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2)
+    pids = [int(x) for x in pids_file.read_text().split()]
+    (sock,) = (daemon.home / "run").glob("toolsrv*.sock")
+    daemon.crash()
+    # toolsrv sees its stdin close, kills its calls' process groups and exits.
+    daemon.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids))
+    daemon.wait_for(lambda: not sock.exists())
+    daemon.start()
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "[tool error] interrupted by restart" in chat
+    assert chat.endswith(":: interrupted by restart\n")
