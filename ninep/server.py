@@ -654,19 +654,10 @@ class _Conn:
             entries = await self._entries(fid.node) if is_dir else []
             if req.aborted:
                 return None
-            fid.handle = handle
-            fid.mode = mode
-            fid.state = _OPEN
-            fid.entries = entries
-            fid.entry_index = fid.dir_offset = 0
-            req.committed = True
+            self._commit_open(req, fid, handle, mode, entries)
             return Ropen(msg.tag, qid, self._iounit())
         finally:
-            if not req.committed:
-                fid.state = _FRESH
-                if opened:
-                    await self._clunk_handle(handle)
-            await self._release(fid)
+            await self._end_open(req, fid, handle if opened else None)
 
     async def _create(self, req: _Request, msg: Tcreate) -> RMessage | None:
         fid = self._get(msg.fid)
@@ -694,19 +685,31 @@ class _Conn:
                 return None
             fid.node = node
             fid.qtype = qid.type
-            fid.handle = handle
-            fid.mode = mode
-            fid.state = _OPEN
-            fid.entries = entries
-            fid.entry_index = fid.dir_offset = 0
-            req.committed = True
+            self._commit_open(req, fid, handle, mode, entries)
             return Rcreate(msg.tag, qid, self._iounit())
         finally:
-            if not req.committed:
-                fid.state = _FRESH
-                if created:
-                    await self._clunk_handle(handle)
-            await self._release(fid)
+            await self._end_open(req, fid, handle if created else None)
+
+    @staticmethod
+    def _commit_open(
+        req: _Request, fid: _Fid, handle: object, mode: int, entries: list[bytes]
+    ) -> None:
+        """Topen/Tcreate succeeded and will be answered: the fid holds the handle now."""
+        fid.handle = handle
+        fid.mode = mode
+        fid.state = _OPEN
+        fid.entries = entries
+        fid.entry_index = fid.dir_offset = 0
+        req.committed = True
+
+    async def _end_open(self, req: _Request, fid: _Fid, handle: object | None) -> None:
+        """After Topen/Tcreate: if it was not committed (error, flush), the fid is fresh
+        again and a handle the app already gave is clunked, so it is never leaked."""
+        if not req.committed:
+            fid.state = _FRESH
+            if handle is not None:
+                await self._clunk_handle(handle)
+        await self._release(fid)
 
     async def _read(self, msg: Tread) -> RMessage:
         fid = self._get(msg.fid)

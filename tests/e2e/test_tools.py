@@ -261,17 +261,22 @@ def test_big_results_are_cut_with_a_note(daemon: Daemon) -> None:
     assert Path(path).read_text() == full.rstrip("\n")
 
 
-def test_stop_kills_a_running_tool(daemon: Daemon) -> None:
+def start_stubborn_tool(daemon: Daemon) -> tuple[str, list[int]]:
+    """A session running a tool (and a child) that ignore SIGTERM; their pids."""
     w = workdir(daemon)
     code = "trap '' TERM; (trap '' TERM; sleep 1000) & echo $! > pids; echo $$ >> pids; wait"
     daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1"))))
     sid = daemon.new(name="t", cwd=str(w))
     daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
     daemon.prompt(sid, "go")
-    daemon.wait_state(sid, "calling: execute_code")
     pids_file = w / "pids"
     daemon.wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2)
-    pids = [int(x) for x in pids_file.read_text().split()]
+    return sid, [int(x) for x in pids_file.read_text().split()]
+
+
+def test_stop_kills_a_running_tool(daemon: Daemon) -> None:
+    sid, pids = start_stubborn_tool(daemon)
+    assert daemon.read(f"s/{sid}/state") == "calling: execute_code\n"
     daemon.write(f"s/{sid}/ctl", "stop")
     daemon.wait_idle(sid)
     chat = daemon.read(f"s/{sid}/chat")
@@ -330,15 +335,7 @@ def test_a_wrong_toolsrv_key_is_an_error_line_not_a_crash(
 
 
 def test_a_crashed_daemon_leaves_no_tool_running(daemon: Daemon) -> None:
-    w = workdir(daemon)
-    code = "trap '' TERM; (trap '' TERM; sleep 1000) & echo $! > pids; echo $$ >> pids; wait"
-    daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1"))))
-    sid = daemon.new(name="t", cwd=str(w))
-    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
-    daemon.prompt(sid, "go")
-    pids_file = w / "pids"
-    daemon.wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2)
-    pids = [int(x) for x in pids_file.read_text().split()]
+    sid, pids = start_stubborn_tool(daemon)
     (sock,) = (daemon.home / "run").glob("toolsrv*.sock")
     daemon.crash()
     # toolsrv sees its stdin close, kills its calls' process groups and exits.
