@@ -38,6 +38,11 @@ class Paths:
         return self.state / "transcripts"
 
     @property
+    def memory(self) -> Path:
+        """Memory notes (``memory_remember``); must exist for the sandbox to allow writes."""
+        return self.data / "memory"
+
+    @property
     def env_file(self) -> Path:
         return self.config / "env"
 
@@ -54,7 +59,7 @@ class Paths:
         return self.state / "daemon.log"
 
     def ensure(self) -> None:
-        for d in (self.config, self.state, self.data, self.sessions, self.transcripts):
+        for d in (self.config, self.state, self.data, self.sessions, self.transcripts, self.memory):
             d.mkdir(parents=True, exist_ok=True)
         self.run.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.run, 0o700)

@@ -205,7 +205,7 @@ class Session:
             session_id=self.id,
             agent=self.agent,
             cwd=self.cwd,
-            memory_dir=str(self.registry.paths.data / "memory"),
+            memory_dir=str(self.registry.paths.memory),
         )
 
     def results_dir(self) -> Path:

@@ -346,3 +346,23 @@ def test_a_crashed_daemon_leaves_no_tool_running(daemon: Daemon) -> None:
     chat = daemon.read(f"s/{sid}/chat")
     assert "[tool error] interrupted by restart" in chat
     assert chat.endswith(":: interrupted by restart\n")
+
+
+def test_memory_notes_are_written_and_recalled_under_the_sandbox(daemon: Daemon) -> None:
+    note = {"text": "the build uses meson", "name": "build"}
+    daemon.replay.add(
+        script(
+            calls(call("memory_remember", note, "c1")),
+            calls(call("memory_recall", {"query": "meson"}, "c2")),
+            reply("remembered"),
+        )
+    )
+    sid = daemon.new(name="t")
+    daemon.write(f"s/{sid}/ctl", "tool_load memory_remember\ntool_load memory_recall")
+    daemon.prompt(sid, "remember the build system")
+    daemon.wait_idle(sid)
+    saved = (daemon.home / "data" / "memory" / "build.md").read_text()
+    assert "the build uses meson" in saved
+    first, second = (m["content"] for m in context(daemon, sid) if m["role"] == "tool")
+    assert not first.startswith("[tool error]")
+    assert "the build uses meson" in second
