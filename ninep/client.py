@@ -165,6 +165,11 @@ class Client:
             yield client
 
     @property
+    def lost(self) -> ConnectionLost | None:
+        """Why the connection is gone, or None while it is usable."""
+        return self._lost
+
+    @property
     def iounit(self) -> int:
         """Payload bytes that fit in one read or write."""
         return self.msize - IOHDRSZ

@@ -42,6 +42,7 @@ class ToolLink:
         self._pushed: list[str] | None = None
         self._conn: ToolsrvConn | None = None
         self._closed = trio.Event()
+        self._shut = False
         self._lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self.on_dropped: Callable[[str, str], None] = lambda name, why: None
@@ -53,31 +54,41 @@ class ToolLink:
         self.wanted = list(names)
 
     async def conn(self) -> ToolsrvConn:
+        """The live connection; a new one (toolsrv respawned if need be) when it was lost."""
         async with self._lock:
+            if self._conn is not None and self._conn.client.lost is not None:
+                log.warning(
+                    "toolsrv connection of %s lost: %s", self.agent_id, self._conn.client.lost
+                )
+                self._drop()
             if self._conn is None:
-                if self._nursery is None:
+                if self._nursery is None or self._shut:
                     raise ToolsrvError("toolsrv: the session is not running")
-                self._conn = await self._nursery.start(self._hold)
+                self._closed = trio.Event()
+                self._conn = await self._nursery.start(self._hold, self._closed)
                 self._pushed = None
                 self.rev = -1
             return self._conn
 
-    async def _hold(self, task_status: trio.TaskStatus[ToolsrvConn]) -> None:
+    async def _hold(self, closed: trio.Event, task_status: trio.TaskStatus[ToolsrvConn]) -> None:
         started = False
         try:
             async with self.toolsrv.connect(self.agent_id) as conn:
                 task_status.started(conn)
                 started = True
-                await self._closed.wait()
+                await closed.wait()
         except Exception as err:  # toolsrv gone: the next use reconnects
             if not started:
                 raise
-            log.warning("toolsrv connection of %s lost: %s", self.agent_id, err)
-        finally:
-            self._conn = None
+            log.warning("toolsrv connection of %s ended: %s", self.agent_id, err)
+
+    def _drop(self) -> None:
+        self._closed.set()
+        self._conn = None
 
     def close(self) -> None:
-        self._closed.set()
+        self._shut = True
+        self._drop()
 
     async def refresh(self) -> None:
         """Push ``wanted`` if it changed; rebuild schemas if ``agent/rev`` moved."""

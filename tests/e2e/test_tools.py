@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -366,3 +367,38 @@ def test_memory_notes_are_written_and_recalled_under_the_sandbox(daemon: Daemon)
     first, second = (m["content"] for m in context(daemon, sid) if m["role"] == "tool")
     assert not first.startswith("[tool error]")
     assert "the build uses meson" in second
+
+
+def toolsrv_pids(daemon: Daemon) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"toolsrv" in argv and any(str(daemon.home).encode() in a for a in argv):
+            out.append(int(d))
+    return out
+
+
+def test_a_dead_toolsrv_is_respawned_on_next_use(daemon: Daemon) -> None:
+    think = calls(call("reasoning_think", {"thought": "x"}, "c1"))
+    daemon.replay.add(script(think, reply("one"), think, reply("two")))
+    sid = daemon.new(name="t")
+    daemon.write(f"s/{sid}/ctl", "tool_load reasoning_think")
+    daemon.prompt(sid, "first")
+    daemon.wait_idle(sid)
+    (pid,) = toolsrv_pids(daemon)
+    os.kill(pid, signal.SIGKILL)
+    daemon.wait_for(lambda: pid not in toolsrv_pids(daemon))
+    daemon.allowed_errors.append("toolsrv")  # its death is logged as a warning, not more
+    daemon.prompt(sid, "second")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert chat.count('-> reasoning_think({"thought":"x"})\nok\n') == 2
+    assert chat.endswith("assistant: two\n") and "error:" not in chat
+    (new,) = toolsrv_pids(daemon)
+    assert new != pid
