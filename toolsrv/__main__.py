@@ -24,6 +24,9 @@ from toolsrv.server import ToolServer
 
 log = logging.getLogger("toolsrv")
 
+# A tool whose header changed on disk is seen within this long; a new tool at once.
+REGISTRY_MAX_AGE = 1.0
+
 
 def shipped_dir() -> Path:
     from olliefs.settings import shipped_dir as sd
@@ -65,7 +68,11 @@ async def amain(args: argparse.Namespace, key: bytes) -> None:
     texec.init_reaper()
     async with trio.open_nursery() as nursery:
         fs = ToolServer(
-            key, Registry(tools), sandbox_dirs=boxes, tmp_root=tmp_root, nursery=nursery
+            key,
+            Registry(tools, max_age=REGISTRY_MAX_AGE),
+            sandbox_dirs=boxes,
+            tmp_root=tmp_root,
+            nursery=nursery,
         )
         await nursery.start(serve_unix, args.socket, fs)
         log.info("serving %s (tools: %s)", args.socket, ", ".join(map(str, tools)))

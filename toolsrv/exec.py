@@ -63,6 +63,10 @@ DRAIN_GRACE = 0.5
 """Seconds to keep reading pipes once the tree is dead (an escapee may still hold them)."""
 _CHUNK = 65536
 _SPAWN_BLOCK = 0.002
+# Waits for killed processes to be gone back off up to this step: the state they wait for
+# (a dying process gone from its cgroup) comes within microseconds to a few milliseconds,
+# and a longer step was seen to add ~15 ms to one call in ten.
+_MAX_STEP = 0.002
 _POOL_MAX = 16
 _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
@@ -146,14 +150,17 @@ class _CgroupBackend:
             cg = _Cgroup(path, fd)
             if self.version == 2:
                 self.kill_file = os.path.exists(os.path.join(path, "cgroup.kill"))
-        if self.limits and cg.pids_max != max_procs:
-            try:
-                _write(os.path.join(cg.path, "pids.max"), str(max_procs))
-            except OSError:
-                self.release(cg)
-                raise
-            cg.pids_max = max_procs
+        try:
+            self.set_limit(cg, max_procs)
+        except OSError:
+            self.release(cg)
+            raise
         return cg
+
+    def set_limit(self, cg: _Cgroup, max_procs: int) -> None:
+        if self.limits and cg.pids_max != max_procs:
+            _write(os.path.join(cg.path, "pids.max"), str(max_procs))
+            cg.pids_max = max_procs
 
     def pids(self, cg: _Cgroup) -> list[int]:
         """Processes in the cgroup. Our own pid shows in v1 while the spawning thread is
@@ -192,7 +199,7 @@ class _CgroupBackend:
             if trio.current_time() > deadline:
                 return False
             await trio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, _MAX_STEP)
         return True
 
     def release(self, cg: _Cgroup, *, empty: bool = False) -> None:
@@ -529,7 +536,7 @@ async def _sweep_until_clean(deadline: float) -> None:
     delay = 0.0002
     while _sweep() and trio.current_time() < deadline:
         await trio.sleep(delay)
-        delay = min(delay * 2, 0.05)
+        delay = min(delay * 2, _MAX_STEP)
 
 
 def _sweep_once() -> int:
@@ -584,21 +591,35 @@ class _SetupError(Exception):
     pass
 
 
+_local = threading.local()  # .joined: the cgroup a spare thread joined ahead of its job
+
+
 class _Spare:
     """A thread started ahead of time, waiting for the one job it will run before ending.
 
     Each spawn needs a brand-new thread (its restrictions are for good), and starting one
     costs ~50 µs; the next one is started while the current tool runs (`_prestart`), off
     the critical path. Only the trio thread starts them, so they begin unrestricted.
+
+    With a v1 cgroup backend the spare also takes the next call's cgroup and joins it at
+    once: joining (a write to ``tasks``) waits for an RCU grace period inside the kernel,
+    which was measured at 15-20 ms on an idle VM. Done ahead, nobody waits for it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cg: _Cgroup | None = None) -> None:
+        self.cg = cg
         self._go = _thread.allocate_lock()
         self._go.acquire()
         self._job: Callable[[], None] | None = None
         _thread.start_new_thread(self._main, ())
 
     def _main(self) -> None:
+        if self.cg is not None:
+            try:
+                os.write(self.cg.join_fd, str(threading.get_native_id()).encode())
+                _local.joined = self.cg
+            except OSError as err:  # the job joins (or fails) the usual way
+                log.debug("spare thread could not join %s: %s", self.cg.path, err.strerror)
         self._go.acquire()
         if self._job is not None:
             self._job()
@@ -611,11 +632,36 @@ class _Spare:
 _spare: _Spare | None = None
 
 
-def _prestart() -> None:
+def _prestart(max_procs: int) -> None:
     """Start the next spawning thread now, while a tool runs and the server waits."""
     global _spare
     if _spare is None:
-        _spare = _Spare()
+        backend = _cgroups()
+        cg = None
+        if backend is not None and backend.version == 1:
+            try:
+                cg = backend.acquire(max_procs)
+            except OSError as err:
+                log.debug("no cgroup for the spare thread: %s", err.strerror)
+        _spare = _Spare(cg)
+
+
+def _take_spare() -> _Spare | None:
+    global _spare
+    spare, _spare = _spare, None
+    return spare
+
+
+def _return_spare(spare: _Spare) -> None:
+    """A spare taken but not used: keep it for the next call, or end it."""
+    global _spare
+    if _spare is None:
+        _spare = spare
+        return
+    spare.run(lambda: None)
+    backend = _cgroups()
+    if spare.cg is not None and backend is not None:
+        backend.release(spare.cg)
 
 
 _spawning = 0
@@ -639,11 +685,10 @@ def _guard_spawn(start: bool) -> None:
         _libc.prctl(_PR_SET_DUMPABLE, 0 if start else 1, 0, 0, 0)
 
 
-async def _in_fresh_thread(fn: Callable[[], _T]) -> _T:
+async def _in_fresh_thread(fn: Callable[[], _T], spare: _Spare | None = None) -> _T:
     """Run ``fn`` in a new OS thread that ends with it: never trio's thread cache, which
     would hand the restricted thread to unrelated work afterwards. The wait is shielded:
     a spawn takes about a millisecond and its result must not be lost."""
-    global _spare
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
     result: list[_T] = []
@@ -662,7 +707,7 @@ async def _in_fresh_thread(fn: Callable[[], _T]) -> _T:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(done.set)
 
-    thread, _spare = _spare or _Spare(), None
+    thread = spare or _Spare()
     _guard_spawn(True)
     thread.run(body)
     # A spawn takes ~0.3 ms. Waiting for it on a lock, with the event loop blocked, is
@@ -696,7 +741,7 @@ def _spawn(
     servers without a pids cgroup).
     """
     try:
-        if cg is not None and version == 1:
+        if cg is not None and version == 1 and getattr(_local, "joined", None) is not cg:
             os.write(cg.join_fd, str(threading.get_native_id()).encode())
         prepared.enter()
     except OSError as err:
@@ -813,7 +858,7 @@ async def _wait_group_gone(pgid: int, deadline: float) -> bool:
             return False
         await trio.sleep(delay)
         waited += delay
-        delay = min(delay * 2, 0.05)
+        delay = min(delay * 2, _MAX_STEP)
 
 
 class _Capture:
@@ -1019,6 +1064,7 @@ async def _run(
     watch: _Watch | None = None
     cg: _Cgroup | None = None
     run: _Run | None = None
+    spare = _take_spare()  # None once handed to _in_fresh_thread
     try:
         for _ in range(3):
             fds.extend(os.pipe2(os.O_CLOEXEC))
@@ -1029,10 +1075,15 @@ async def _run(
             fds.remove(in_w)
         if backend is not None:
             try:
-                cg = backend.acquire(profile.max_procs)
+                if spare is not None and spare.cg is not None:
+                    cg = spare.cg  # joined ahead by the spare thread
+                    backend.set_limit(cg, profile.max_procs)
+                else:
+                    cg = backend.acquire(profile.max_procs)
             except OSError as err:
                 log.warning("cgroup for the call unavailable: %s", err.strerror)
         _calls.add(call)
+        thread, spare = spare, None
         try:
             proc = await _in_fresh_thread(
                 partial(
@@ -1045,7 +1096,8 @@ async def _run(
                     cg,
                     backend.version if backend else 0,
                     _rlimits(profile, cg is not None and backend is not None and backend.limits),
-                )
+                ),
+                thread,
             )
         except _SetupError as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
@@ -1064,7 +1116,7 @@ async def _run(
         watch = _Watch(out_r, err_r, in_w if rest else None, rest, run.exit_fd, profile.max_output)
         for fd in (out_r, err_r, *([in_w] if rest else [])):
             fds.remove(fd)
-        _prestart()
+        _prestart(profile.max_procs)
         with trio.move_on_after(timeout) as deadline:
             await watch.pump(until_exit=True)
         run.exited = watch.exited
@@ -1084,6 +1136,10 @@ async def _run(
             timed_out=deadline.cancelled_caught,
         )
     finally:
+        if spare is not None:  # taken but not handed a job: it keeps its cgroup
+            if cg is spare.cg:
+                cg = None
+            _return_spare(spare)
         with trio.CancelScope(shield=True):
             if run is not None:
                 await run.end()

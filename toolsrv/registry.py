@@ -372,7 +372,12 @@ class Registry:
     not exist (yet) simply provides nothing.
     """
 
-    def __init__(self, dirs: Sequence[Path]) -> None:
+    def __init__(self, dirs: Sequence[Path], *, max_age: float = 0.0) -> None:
+        """``max_age``: a scan younger than this many seconds is trusted without looking at
+        the disk (toolsrv sets it so that a tool call costs no directory walk); a name that
+        is not found always triggers a fresh scan, so a new tool is seen at once."""
+        self.max_age = max_age
+        self._last_scan = -math.inf
         self.dirs = [Path(d) for d in dirs]
         self._dirs: dict[Path, _Dir] = {}
         self._files: dict[str, _File] = {}
@@ -382,8 +387,21 @@ class Registry:
 
     def tools(self) -> dict[str, ToolInfo]:
         """Name → info of every usable tool, after a rescan of whatever changed."""
-        self._rescan()
+        self._maybe_rescan()
         return dict(self._tools)
+
+    def _maybe_rescan(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_scan >= self.max_age:
+            self._rescan()
+            self._last_scan = now
+
+    def __contains__(self, name: str) -> bool:
+        self._maybe_rescan()
+        if name in self._tools:
+            return True
+        self._maybe_rescan(force=True)
+        return name in self._tools
 
     def errors(self) -> dict[str, str]:
         """Path → reason for every file left out (bad header, not executable, ...)."""
@@ -392,7 +410,9 @@ class Registry:
 
     def get(self, name: str) -> ToolInfo:
         """The info of one tool; ``KeyError`` if there is no usable tool of that name."""
-        return self.tools()[name]
+        if name not in self:
+            raise KeyError(name)
+        return self._tools[name]
 
     def _rescan(self) -> None:
         now = time.time_ns()
@@ -563,7 +583,7 @@ class AgentTools:
 
     def load(self, name: str) -> None:
         """Load a tool; loading a loaded tool changes nothing (and does not bump ``rev``)."""
-        if name not in self.registry.tools():
+        if name not in self.registry:
             raise ToolError(f"unknown tool: {name}")
         if name in self._loaded:
             return

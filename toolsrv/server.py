@@ -10,6 +10,7 @@ one agent cannot name, let alone read or kill, another agent's procs::
     proc/new                     open + read: a fresh call id N (proc/N/ appears)
     proc/N/call                  write the CallRequest JSON: the call starts
     proc/N/result                blocking read: the CallResult JSON once the call ended
+                                 (a read before the call was written waits for it)
     proc/N/ctl                   "kill": the call's whole process group dies
 
 A blocked ``result`` read that is flushed (Tflush) kills the call, exactly like ``kill``:
@@ -77,6 +78,12 @@ class Proc:
         self.killed = True
         if self.scope is not None:
             self.scope.cancel()
+        elif not self.started:  # nothing runs: a reader waiting for the call is answered
+            self.started = True
+            self.result = _json.encode(
+                CallResult([Content("cancelled: the call was killed before it started")], True)
+            )
+            self.done.set()
 
 
 @dataclass(eq=False)
@@ -217,10 +224,10 @@ class ToolServer(BaseFileSystem):
             if name in kinds:
                 return Node(a, kinds[name], name)
         elif k == "tools":
-            if name in self.registry.tools():
+            if name in self.registry:
                 return Node(a, "tool", name, arg=name)
         elif k == "tool":
-            if name in ("meta", "schema") and node.arg in self.registry.tools():
+            if name in ("meta", "schema") and node.arg in self.registry:
                 return Node(a, name, name, arg=node.arg)
         elif k == "agent":
             if name in ("ctl", "loaded", "rev"):
@@ -327,8 +334,8 @@ class ToolServer(BaseFileSystem):
         if node.kind == "result":
             proc = node.proc
             assert proc is not None
-            if not proc.started:
-                raise NinePError("call not started: write proc/N/call first")
+            # A read may come before the call is written (a client that pipelines the
+            # two): it waits for the call to start and end, like a pipe for its writer.
             if proc.result is None:
                 try:
                     await proc.done.wait()
@@ -376,7 +383,7 @@ class ToolServer(BaseFileSystem):
                 continue
             if verb not in ("load", "unload") or not name:
                 raise NinePError(f"bad command: {line.strip()!r} (load NAME | unload NAME)")
-            if verb == "load" and name not in self.registry.tools():
+            if verb == "load" and name not in self.registry:
                 raise NinePError(f"unknown tool: {name}")
             if verb == "unload" and name not in agent.tools.loaded():
                 raise NinePError(f"not loaded: {name}")
@@ -392,7 +399,7 @@ class ToolServer(BaseFileSystem):
 
     def _start(self, proc: Proc, data: bytes) -> None:
         if proc.started:
-            raise NinePError("call already started")
+            raise NinePError("call already started (or killed)")
         try:
             req = _call_decoder.decode(data)
         except msgspec.DecodeError as err:

@@ -90,19 +90,34 @@ class ToolLink:
         self._shut = True
         self._drop()
 
-    async def refresh(self) -> None:
-        """Push ``wanted`` if it changed; rebuild schemas if ``agent/rev`` moved."""
+    async def ready(self) -> ToolsrvConn:
+        """The connection, with toolsrv's loaded set equal to ``wanted``."""
         conn = await self.conn()
         if self._pushed != self.wanted:
             await self._push(conn)
-        rev = await conn.rev()
-        if rev != self.rev:
-            await self._rebuild(conn, rev)
+        return conn
+
+    async def refresh(self) -> None:
+        """Push ``wanted`` if it changed; rebuild schemas if ``agent/rev`` moved.
+
+        A connection found dead on the way (toolsrv died since the last use, and the
+        reader had not noticed yet) is replaced once.
+        """
+        for attempt in (1, 2):
+            try:
+                conn = await self.ready()
+                rev = await conn.rev()
+                if rev != self.rev:
+                    await self._rebuild(conn, rev)
+                return
+            except ToolsrvError:
+                if attempt == 2 or self._conn is None or self._conn.client.lost is None:
+                    raise
 
     async def call(
         self, name: str, args: dict[str, Any], cwd: str, env: Mapping[str, str]
     ) -> CallResult:
-        conn = await self.conn()
+        conn = await self.ready()
         return await conn.call(name, args, cwd, env)
 
     async def _push(self, conn: ToolsrvConn) -> None:

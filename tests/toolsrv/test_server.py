@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from ninep import NinePError
 from ninep.codec import OREAD, OWRITE
@@ -68,9 +70,6 @@ async def test_proc_life_cycle(srv: ToolsrvProc, tmp_path: Path) -> None:
         assert int(n2) == int(n1) + 1
         procs = {st.name for st in await c.listdir(root, "proc")}
         assert {"new", n1, n2} <= procs
-        # The result of a call that was never started is an error, not a hang.
-        with pytest.raises(NinePError, match="not started"):
-            await c.read_all(root, f"proc/{n1}/result")
         for bad in (
             b"{not json",
             b'{"tool": "reasoning_think", "bogus": 1}',
@@ -104,3 +103,38 @@ async def test_call_errors_come_back_as_results(srv: ToolsrvProc, tmp_path: Path
         assert res.isError and "not yet" in res.text
         res = await conn.call("file_read", {"path": "missing.txt"}, str(work), tool_env(work))
         assert res.isError and "missing.txt" in res.text
+
+
+async def test_result_read_before_the_call_waits_for_it(srv: ToolsrvProc, tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    async with srv.agent("a1", "reasoning_think") as conn:
+        c, root = conn.client, conn.root
+        n = await new_proc(conn)
+        got: list[bytes] = []
+        async with trio.open_nursery() as nursery:
+
+            async def reader() -> None:
+                got.append(await c.read_all(root, f"proc/{n}/result"))
+
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []  # waiting, not an error
+            call = {"tool": "reasoning_think", "args": {"thought": "hm"}, "cwd": str(work)}
+            await c.write_all(root, f"proc/{n}/call", json.dumps(call).encode())
+        if landlock_abi():
+            ok = {"content": [{"type": "text", "text": "ok"}], "isError": False}
+            assert json.loads(got[0]) == ok
+        # Killing a proc nobody started answers a waiting reader too.
+        n2 = await new_proc(conn)
+        async with trio.open_nursery() as nursery:
+            got.clear()
+
+            async def reader2() -> None:
+                got.append(await c.read_all(root, f"proc/{n2}/result"))
+
+            nursery.start_soon(reader2)
+            await trio.testing.wait_all_tasks_blocked()
+            await c.write_all(root, f"proc/{n2}/ctl", b"kill")
+        result = json.loads(got[0])
+        assert result["isError"] and "before it started" in result["content"][0]["text"]
