@@ -390,6 +390,22 @@ def test_rescan_sees_new_changed_and_deleted_tools(tmp_path: Path) -> None:
     assert reg.errors() == {}
 
 
+def test_max_age_trusts_a_recent_scan_but_a_miss_rescans(tmp_path: Path) -> None:
+    a = put(tmp_path, "a", description="first")
+    reg = Registry([tmp_path], max_age=3600)
+    assert sorted(reg.tools()) == ["a"]
+    a.write_text(minimal(description="second"))
+    put(tmp_path, "b")
+    # Within max_age the scan is trusted: the edit is not seen yet ...
+    assert reg.get("a").description == "first"
+    # ... but a name that is not known rescans at once, and sees everything.
+    assert "b" in reg and reg.get("b").name == "b"
+    assert reg.get("a").description == "second"
+    assert "nope" not in reg
+    with pytest.raises(KeyError):
+        reg.get("nope")
+
+
 def test_chmod_is_noticed(tmp_path: Path) -> None:
     p = put(tmp_path, "t", mode=0o644)
     age(p, tmp_path)
