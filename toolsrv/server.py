@@ -71,11 +71,8 @@ class Proc:
     result: bytes | None = None
     done: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope | None = None
-    killed: bool = False
-    read_by: int = 0  # open result handles that saw the whole result
 
     def kill(self) -> None:
-        self.killed = True
         if self.scope is not None:
             self.scope.cancel()
         elif not self.started:  # nothing runs: a reader waiting for the call is answered
