@@ -103,6 +103,9 @@ def batches(calls: tuple[ToolCall, ...], link: ToolLink) -> list[list[int]]:
 async def run_tools(host: ToolHost, calls: tuple[ToolCall, ...], cache: ReadCache) -> None:
     rnd = Round(host, cache, [Outcome(c, one_line_args(c.arguments)) for c in calls])
     try:
+        known = sum(1 for c in calls if c.name in host.link.metas)
+        if known > 1:
+            await host.link.warm(known)
         for group in batches(calls, host.link):
             names = ", ".join(dict.fromkeys(calls[i].name for i in group))
             host.set_state(f"calling: {names}")

@@ -120,6 +120,14 @@ class ToolLink:
         conn = await self.ready()
         return await conn.call(name, args, cwd, env)
 
+    async def warm(self, n: int) -> None:
+        """Procs made ahead for a round of ``n`` calls (best effort: errors show later)."""
+        try:
+            conn = await self.ready()
+            await conn.warm(n)
+        except ToolsrvError:
+            pass
+
     async def _push(self, conn: ToolsrvConn) -> None:
         loaded = await conn.loaded()
         cmds = [f"unload {n}" for n in loaded if n not in self.wanted]

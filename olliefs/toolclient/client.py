@@ -10,6 +10,7 @@ A ``call`` is cancellable: when the awaiting task is cancelled (a session ``stop
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from toolsrv.protocol import CallRequest, CallResult, ToolMeta, agent_secret
 
 log = logging.getLogger(__name__)
 
+MAX_WARM = 16  # procs made ahead, per connection (toolsrv keeps at most 256 per agent)
 _json = msgspec.json.Encoder()
 _result = msgspec.json.Decoder(CallResult)
 _meta = msgspec.json.Decoder(ToolMeta)
@@ -55,7 +57,7 @@ class ToolsrvConn:
         self.root = root
         self.agent_id = agent_id
         self._nursery = nursery
-        self._slot: Slot | None = None
+        self._slots: list[Slot] = []
         self._filling: trio.Event | None = None
 
     async def _read(self, path: str) -> bytes:
@@ -133,11 +135,25 @@ class ToolsrvConn:
             raise ToolsrvError(f"toolsrv: {tool}: {err.ename}") from None
 
     async def _take_slot(self) -> Slot:
-        """The warm slot; or the one being made (it is already on its way); or a new one."""
-        if self._slot is None and self._filling is not None:
+        """A warm slot; or the one being made (it is already on its way); or a new one."""
+        if not self._slots and self._filling is not None:
             await self._filling.wait()
-        slot, self._slot = self._slot, None
-        return slot if slot is not None else await self._make_slot()
+        return self._slots.pop() if self._slots else await self._make_slot()
+
+    async def warm(self, n: int) -> None:
+        """Have ``n`` slots ready, made side by side (a round of ``n`` calls then waits for
+        five round trips once instead of five per call)."""
+        missing = min(n, MAX_WARM) - len(self._slots)
+        if missing <= 0:
+            return
+
+        async def one() -> None:
+            with contextlib.suppress(NinePError):  # the calls will say what is wrong
+                self._slots.append(await self._make_slot())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(missing):
+                nursery.start_soon(one)
 
     async def _write_and_read(self, slot: Slot, req: bytes) -> bytes:
         """Write the call and read its result without waiting for the Rwrite in between
@@ -188,7 +204,7 @@ class ToolsrvConn:
     def _refill(self) -> None:
         """Make the next slot in the background, after a call: by the time the model asks
         for the next tool it is ready (made while the model was thinking)."""
-        if self._nursery is None or self._filling is not None or self._slot is not None:
+        if self._nursery is None or self._filling is not None or self._slots:
             return
         self._filling = trio.Event()
         self._nursery.start_soon(self._fill, self._filling)
@@ -202,11 +218,7 @@ class ToolsrvConn:
         finally:
             self._filling = None
             done.set()
-        if self._slot is None:
-            self._slot = slot
-        else:
-            self.client.clunk_nowait(slot.call)
-            self.client.clunk_nowait(slot.result)
+        self._slots.append(slot)
 
     async def _read_result(self, fid: int) -> bytes:
         # toolsrv answers the whole result in one read when it fits; a full read means

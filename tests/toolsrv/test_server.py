@@ -138,3 +138,22 @@ async def test_result_read_before_the_call_waits_for_it(srv: ToolsrvProc, tmp_pa
             await c.write_all(root, f"proc/{n2}/ctl", b"kill")
         result = json.loads(got[0])
         assert result["isError"] and "before it started" in result["content"][0]["text"]
+
+
+async def test_warm_slots_serve_the_next_calls(srv: ToolsrvProc, tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    async with srv.agent("a1", "reasoning_think") as conn:
+        await conn.warm(3)
+        names = {st.name for st in await conn.client.listdir(conn.root, "proc")}
+        assert names == {"new", "1", "2", "3"}
+        for _ in range(3):
+            await conn.call("reasoning_think", {"thought": "x"}, str(work), tool_env(work))
+        # The three calls used the three procs made ahead (and left), no new one was made
+        # on their way; one is being made in the background for the next call.
+        with trio.fail_after(10):
+            while True:
+                names = {st.name for st in await conn.client.listdir(conn.root, "proc")}
+                if names == {"new", "4"}:
+                    break
+                await trio.sleep(0.01)
