@@ -231,7 +231,7 @@ def test_git_fallback_without_mount_namespace(exec_box: Box) -> None:
 def test_old_abi_denies_tcp_with_a_network_namespace(exec_box: Box) -> None:
     """Landlock before ABI 4 has no TCP rules: an empty network namespace stands in."""
     if not sandbox.mount_namespaces():
-        pytest.skip("no namespaces here: with Landlock < 4 TCP cannot be denied")
+        pytest.skip(reason="no namespaces here: with Landlock < 4 TCP cannot be denied")
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
@@ -517,7 +517,7 @@ def exec_capped() -> bool:
     """Whether a pids cgroup caps calls (else RLIMIT_NPROC does, except for root)."""
     capped = "pids" in texec.cgroup_mode()
     if not capped and os.geteuid() == 0:
-        pytest.skip("no writable pids cgroup, and root is exempt from RLIMIT_NPROC: no cap")
+        pytest.skip(reason="no writable pids cgroup, and root is exempt from RLIMIT_NPROC: no cap")
     return capped
 
 
@@ -623,7 +623,7 @@ def test_kill_in_each_cgroup_mode(exec_box: Box, mode: str) -> None:
     assert proc.returncode == 0, proc.stderr.decode()
     out = json.loads(proc.stdout)
     if not out["mode"].startswith("none" if mode == "off" else mode):
-        pytest.skip(f"no writable cgroup {mode} here ({out['mode']})")
+        pytest.skip(reason=f"no writable cgroup {mode} here ({out['mode']})")
     assert out["timed_out"]
     assert len(out["at_return"]) == 6
     assert all(s in (None, "Z") for s in out["at_return"].values()), out
