@@ -130,6 +130,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from toolsrv.protocol import ToolMeta
+
 __all__ = [
     "HEADER_LIMIT",
     "KEYS",
@@ -188,6 +190,12 @@ class ToolInfo(msgspec.Struct, frozen=True):
     timeout: float
     sandbox: str
     path: str
+
+    def meta(self) -> ToolMeta:
+        """The wire form of ``tools/<name>/meta`` (everything but the schema and the path)."""
+        return ToolMeta(
+            self.name, self.description, self.tier, self.parallel, self.timeout, self.sandbox
+        )
 
 
 def tool_name(file_name: str) -> str:

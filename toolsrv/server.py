@@ -22,6 +22,7 @@ not leave tools running).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -45,7 +46,6 @@ from toolsrv.protocol import (
     CallRequest,
     CallResult,
     Content,
-    ToolMeta,
     check_secret,
 )
 from toolsrv.registry import AgentTools, Registry, ToolError, ToolInfo
@@ -113,6 +113,7 @@ class Handle:
     mode: int
     data: bytes | None = None  # snapshot for small read-only files
     proc: Proc | None = None  # proc/new: the proc this open created
+    consumed: bool = False  # proc/N/result: read to its end (the proc goes at clunk)
 
 
 class ToolServer(BaseFileSystem):
@@ -137,16 +138,14 @@ class ToolServer(BaseFileSystem):
         self.agents: dict[str, Agent] = {}
         self._profiles: dict[str, tuple[tuple[tuple[int, int] | None, ...], sandbox.Profile]] = {}
         self._tmp_made: set[Path] = set()
-        self._qids: dict[tuple[object, ...], int] = {}
         self.started = time.time()
 
     # ---- identity -------------------------------------------------------------------
 
-    def _qid_path(self, key: tuple[object, ...]) -> int:
-        path = self._qids.get(key)
-        if path is None:
-            path = self._qids[key] = len(self._qids) + 1
-        return path
+    @staticmethod
+    def _qid_path(key: tuple[object, ...]) -> int:
+        """A stable 64-bit id for a path: derived, so no table grows with every proc."""
+        return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest())
 
     def stat(self, node: Node) -> Stat:  # type: ignore[override]
         key: tuple[object, ...] = (node.agent.id, node.kind, node.arg)
@@ -294,11 +293,7 @@ class ToolServer(BaseFileSystem):
     def _snapshot(self, node: Node) -> bytes:
         a = node.agent
         if node.kind == "meta":
-            info = self._tool(node.arg)
-            meta = ToolMeta(
-                info.name, info.description, info.tier, info.parallel, info.timeout, info.sandbox
-            )
-            return _json.encode(meta) + b"\n"
+            return _json.encode(self._tool(node.arg).meta()) + b"\n"
         if node.kind == "schema":
             return _json.encode(self._tool(node.arg).args) + b"\n"
         if node.kind == "loaded":
@@ -314,14 +309,13 @@ class ToolServer(BaseFileSystem):
             raise NinePError("file not found") from None
 
     def _new_proc(self, agent: Agent) -> Proc:
-        running = sum(1 for p in agent.procs.values() if not p.done.is_set())
-        if len(agent.procs) >= MAX_PROCS_PER_AGENT and running >= MAX_PROCS_PER_AGENT:
-            raise NinePError("too many procs")
+        # At the bound, forget the oldest finished procs nobody read: a bound, not a leak.
+        for n in [n for n, p in agent.procs.items() if p.done.is_set()]:
+            if len(agent.procs) < MAX_PROCS_PER_AGENT:
+                break
+            del agent.procs[n]
         if len(agent.procs) >= MAX_PROCS_PER_AGENT:
-            # Forget the oldest finished procs nobody read: a bound, not a leak.
-            for n, p in sorted(agent.procs.items()):
-                if p.done.is_set() and len(agent.procs) >= MAX_PROCS_PER_AGENT:
-                    del agent.procs[n]
+            raise NinePError("too many procs")
         proc = Proc(next(agent.next_n), agent)
         agent.procs[proc.n] = proc
         return proc
@@ -342,8 +336,7 @@ class ToolServer(BaseFileSystem):
                     proc.kill()
                     raise
             data = proc.result or b""
-            if offset + count >= len(data):
-                handle.data = data  # marks "result consumed" for clunk
+            handle.consumed = offset + count >= len(data)
             return data[offset : offset + count]
         if handle.data is None:
             raise denied()
@@ -487,7 +480,7 @@ class ToolServer(BaseFileSystem):
     async def clunk(self, handle: Handle) -> None:  # type: ignore[override]
         node = handle.node
         proc = node.proc
-        if node.kind == "result" and proc is not None and handle.data is not None:
+        if node.kind == "result" and proc is not None and handle.consumed:
             # The result was read to its end: the proc has served its purpose.
             proc.agent.procs.pop(proc.n, None)
 

@@ -68,6 +68,7 @@ class Outcome:
     text: str | None = None
     tier: str = "hot"
     error: bool = False
+    announced: bool = False  # its "-> tool(args)" line is in chat
 
 
 @dataclass
@@ -135,7 +136,7 @@ async def _run_and_release(rnd: Round, i: int) -> None:
 def _show_call(rnd: Round, i: int) -> None:
     o = rnd.outcomes[i]
     rnd.host.emit("call", o.shown_args, name=o.call.name)
-    o.shown_args = ""  # marks the call line as written
+    o.announced = True
 
 
 def _release(rnd: Round, force: bool = False) -> None:
@@ -144,7 +145,7 @@ def _release(rnd: Round, force: bool = False) -> None:
         o = rnd.outcomes[rnd.shown]
         if o.text is None and not force:
             return
-        if o.shown_args:
+        if not o.announced:
             _show_call(rnd, rnd.shown)
         text = o.text or ""
         if o.error:

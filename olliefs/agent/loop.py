@@ -8,7 +8,7 @@ Tool calls go through ``dispatch.run_tools`` to toolsrv. Before the first reques
 after every tool round the agent's ``ToolLink`` is refreshed: pending ``tool_load`` /
 ``tool_unload`` are pushed and, when toolsrv's ``agent/rev`` moved, the schemas and the
 preamble are rebuilt, so a tool loaded by the model in one round is callable in the next.
-If toolsrv cannot be reached the turn goes on without tools (the error is shown once).
+If toolsrv cannot be reached the turn goes on (the refresh says so with an error line).
 """
 
 from __future__ import annotations

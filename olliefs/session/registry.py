@@ -121,11 +121,7 @@ class Registry:
 
     def tool_meta(self, name: str) -> ToolMeta | None:
         info = self.local_tools.tools().get(name)
-        if info is None:
-            return None
-        return ToolMeta(
-            info.name, info.description, info.tier, info.parallel, info.timeout, info.sandbox
-        )
+        return None if info is None else info.meta()
 
     def known_tools(self, link: ToolLink) -> set[str]:
         return set(link.catalogue) | set(self.local_tools.tools())

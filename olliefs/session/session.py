@@ -121,7 +121,6 @@ class Session:
         self.closed = False
         self.context_length = registry.default_context_length
         self._replaying = False
-        self._pending_tools: list[str] = []
         self.link = ToolLink(registry.toolsrv, uid, registry.profile_tools(agent))
         self.link.on_dropped = self._tool_dropped
 
@@ -336,7 +335,9 @@ class Session:
         if self.running:
             raise Busy(f"{what}: refused while a turn is running (ctl stop first)")
 
-    def _prepare_ctl(self, line: str) -> Apply:
+    def _prepare_ctl(self, line: str, wanted: list[str]) -> Apply:
+        """One ctl line checked; ``wanted`` is the tool list as the earlier lines of the
+        same write leave it (``tool_load a`` then ``tool_unload a`` is valid)."""
         cmd, _, arg = line.strip().partition(" ")
         arg = arg.strip()
         reg = self.registry
@@ -376,7 +377,6 @@ class Session:
             return lambda: self._set_cfg({"cwd": path})
         if cmd in ("tool_load", "tool_unload"):
             name = need_arg()
-            wanted = self._pending_tools
             if cmd == "tool_load":
                 if name not in self.registry.known_tools(self.link):
                     raise InvalidRequest(f"tool_load: unknown tool: {name}")
@@ -398,9 +398,8 @@ class Session:
         raise InvalidRequest(f"unknown command: {cmd}")
 
     def ctl(self, text: str) -> None:
-        # tool_load/unload lines of one write build on each other (load a, then unload a).
-        self._pending_tools = list(self.link.wanted)
-        self._apply_all(text, self._prepare_ctl)
+        wanted = list(self.link.wanted)
+        self._apply_all(text, lambda line: self._prepare_ctl(line, wanted))
 
     def _set_tools(self, names: list[str], info: str) -> None:
         """The loaded tools changed; toolsrv learns it at the next refresh of the link."""
