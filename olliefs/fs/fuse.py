@@ -23,17 +23,6 @@ from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
 
-ERRNO: dict[type[errors.OllieError], int] = {
-    errors.InvalidRequest: errno.EINVAL,
-    errors.Busy: errno.EBUSY,
-    errors.Exists: errno.EEXIST,
-    errors.NotFound: errno.ENOENT,
-    errors.Denied: errno.EACCES,
-    errors.WouldBlock: errno.EAGAIN,
-    errors.Interrupted: errno.EINTR,
-    errors.TooMany: errno.EMFILE,
-}
-
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -47,7 +36,7 @@ def translated(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any,
             raise
         except errors.OllieError as err:
             log.debug("%s: %s: %s", fn.__name__, type(err).__name__, err)
-            raise pyfuse3.FUSEError(ERRNO[type(err)]) from None
+            raise pyfuse3.FUSEError(err.errno) from None
         except Exception:
             log.exception("unexpected failure in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
@@ -132,6 +121,7 @@ class Operations(pyfuse3.Operations):
         parent = self._dir(parent_inode)
         if name == b".":
             return self._attrs(parent)
+        await parent.prepare()
         node = parent.lookup(self._name(name))
         if node is None or not node.valid():
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -171,6 +161,7 @@ class Operations(pyfuse3.Operations):
     @translated
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         d = self._dir(inode)
+        await d.prepare()
         fh = self._next_fh
         self._next_fh += 1
         self._dirs[fh] = list(d.entries())
@@ -203,6 +194,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EACCES)
         if acc in (os.O_RDONLY, os.O_RDWR) and not node.readable:
             raise pyfuse3.FUSEError(errno.EACCES)
+        await node.prepare()
         how = Open(pid=ctx.pid, nonblock=bool(flags & os.O_NONBLOCK), waiters=self.waiters)
         fh = self._fh(node.open(how))
         return pyfuse3.FileInfo(fh=fh, direct_io=node.direct_io, keep_cache=False)
@@ -229,11 +221,11 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self._dir(parent_inode).unlink(self._name(name))
+        await self._dir(parent_inode).unlink(self._name(name))
 
     @translated
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self._dir(parent_inode).rmdir(self._name(name))
+        await self._dir(parent_inode).rmdir(self._name(name))
 
     @translated
     async def rename(
@@ -247,7 +239,7 @@ class Operations(pyfuse3.Operations):
     ) -> None:
         if parent_inode_old != parent_inode_new:
             raise pyfuse3.FUSEError(errno.EXDEV)
-        self._dir(parent_inode_old).rename(self._name(name_old), self._name(name_new))
+        await self._dir(parent_inode_old).rename(self._name(name_old), self._name(name_new))
 
     @translated
     async def create(

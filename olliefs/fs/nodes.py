@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from olliefs.agent.chat import GrowingLog
-from olliefs.agent.state import StateCell
 from olliefs.errors import Denied, Interrupted, InvalidRequest, TooMany, WouldBlock
 from olliefs.fs.interrupt import signal_pending
+from olliefs.live import GrowingLog, StateCell
 
 INTERRUPT_CHECK = 0.1
 
@@ -82,6 +81,13 @@ class Node:
 
     def valid(self) -> bool:
         return True
+
+    async def prepare(self) -> None:
+        """Bring what this node shows up to date before it is looked into or opened.
+
+        Most nodes render from memory and need nothing; a node that shows what another
+        process holds (toolsrv's catalogue) fetches it here, where awaiting is allowed.
+        """
 
 
 class Handle:
@@ -130,13 +136,13 @@ class Dir(Node):
                 return node
         return None
 
-    def unlink(self, name: str) -> None:
+    async def unlink(self, name: str) -> None:
         raise Denied(f"cannot remove {name}")
 
-    def rmdir(self, name: str) -> None:
+    async def rmdir(self, name: str) -> None:
         raise Denied(f"cannot remove {name}")
 
-    def rename(self, old: str, new: str) -> None:
+    async def rename(self, old: str, new: str) -> None:
         raise Denied(f"cannot rename {old}")
 
 
@@ -156,12 +162,17 @@ class Text(File):
     key: Hashable
     render: Callable[[], str]
     live: Callable[[], bool] = lambda: True
+    refresh: Callable[[], Awaitable[None]] | None = None
 
     def size(self) -> int:
         return len(self.render().encode())
 
     def valid(self) -> bool:
         return self.live()
+
+    async def prepare(self) -> None:
+        if self.refresh is not None:
+            await self.refresh()
 
     def open(self, how: Open) -> Handle:
         return SnapshotHandle(self.render().encode())
@@ -199,7 +210,7 @@ class ControlHandle(Handle):
             text = data.decode()
         except UnicodeDecodeError:
             raise InvalidRequest("not valid UTF-8") from None
-        reply = self.node.apply(text)
+        reply = await self.node.apply(text)
         if reply is not None:
             self.answer = reply.encode()
             self.base = off + len(data)
@@ -209,7 +220,7 @@ class ControlHandle(Handle):
 @dataclass(eq=False)
 class Control(File):
     key: Hashable
-    apply: Callable[[str], str | None]
+    apply: Callable[[str], Awaitable[str | None]]
     render: Callable[[], str] | None = None
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
@@ -362,6 +373,11 @@ class StaticDir(Dir):
     children: Callable[[], dict[str, Node]]
     live: Callable[[], bool] = lambda: True
     born: float = field(default_factory=time.time)
+    refresh: Callable[[], Awaitable[None]] | None = None
+
+    async def prepare(self) -> None:
+        if self.refresh is not None:
+            await self.refresh()
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         return self.children().items()

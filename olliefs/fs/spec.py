@@ -7,8 +7,8 @@ here plus the runtime method it calls.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from olliefs.fs.nodes import (
     Control,
@@ -21,6 +21,7 @@ from olliefs.fs.nodes import (
     StaticDir,
     Text,
 )
+from olliefs.session.commands import help_text
 from olliefs.session.registry import NEW_TEMPLATE, Registry
 from olliefs.session.session import Session
 
@@ -36,13 +37,16 @@ olliefs: an LLM agent runtime whose interface is this file tree.
   cat s/demo/statewait                 wait for the state to change
   rm -r s/demo                         end it (its journal goes to the transcripts)
 
-See ollie(1) and ollie(5).
+ctl commands:
 """
+HELP_END = "\nSee ollie(1) and ollie(5).\n"
 
 
-def session_files(s: Session) -> dict[str, Node]:
+def session_files(reg: Registry, s: Session) -> dict[str, Node]:
     u = s.uid
+    a = s.agent
     live = lambda: not s.closed  # noqa: E731
+    fresh = reg.fresh_catalogue  # what toolsrv serves, read again if older than a second
 
     def text(name: str, render: Callable[[], str]) -> Text:
         return Text(("s", u, name), render, live)
@@ -58,13 +62,13 @@ def session_files(s: Session) -> dict[str, Node]:
         "cfg": Control(("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live),
         "ctl": Control(("s", u, "ctl"), s.ctl, live=live),
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
-        "usage": text("usage", s.history.totals.usage_text),
-        "cost": text("cost", s.history.totals.cost_text),
-        "ctxsz": text("ctxsz", s.ctxsz_text),
-        "context": text("context", s.context_text),
+        "usage": text("usage", a.history.totals.usage_text),
+        "cost": text("cost", a.history.totals.cost_text),
+        "ctxsz": text("ctxsz", a.ctxsz_text),
+        "context": text("context", a.context_text),
         "env": text("env", s.env_text),
-        "tools": text("tools", s.tools_text),
-        "systemprompt": text("systemprompt", s.systemprompt_text),
+        "tools": Text(("s", u, "tools"), a.tools_text, live, fresh),
+        "systemprompt": Text(("s", u, "systemprompt"), a.systemprompt_text, live, fresh),
         "tail": Script(("s", u, "tail"), s.tail_script, live),
     }
 
@@ -78,7 +82,7 @@ class SessionDir(StaticDir):
 
     entry_ttl = 0.0
 
-    def unlink(self, name: str) -> None:
+    async def unlink(self, name: str) -> None:
         pass
 
 
@@ -92,8 +96,8 @@ class SessionsDir(Dir):
         self.reg = reg
 
     def _fixed(self) -> dict[str, Node]:
-        def new(text: str) -> str:
-            return self.reg.create(text).id + "\n"
+        async def new(text: str) -> str:
+            return (await self.reg.create(text)).id + "\n"
 
         return {
             "new": Control(("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666),
@@ -102,7 +106,7 @@ class SessionsDir(Dir):
 
     def _session_dir(self, s: Session) -> Node:
         return SessionDir(
-            ("s", s.uid), lambda: session_files(s), lambda: not s.closed, born=s.created
+            ("s", s.uid), lambda: session_files(self.reg, s), lambda: not s.closed, born=s.created
         )
 
     def entries(self) -> Iterable[tuple[str, Node]]:
@@ -117,26 +121,33 @@ class SessionsDir(Dir):
         s = self.reg.sessions.get(name)
         return self._session_dir(s) if s else None
 
-    def rmdir(self, name: str) -> None:
-        self.reg.kill(self.reg.get(name))
+    async def rmdir(self, name: str) -> None:
+        rest = self.reg.kill(self.reg.get(name))
+        if rest is not None:
+            await rest
 
-    def rename(self, old: str, new: str) -> None:
-        self.reg.rename(self.reg.get(old), new)
+    async def rename(self, old: str, new: str) -> None:
+        s = self.reg.get(old)
+        self.reg.rename(s, new)
+        await s.sync()
 
 
 def tools_dir(reg: Registry) -> Dir:
-    """``t/``: the tool scripts (read-only here) and the synthetic ``idx``."""
+    """``t/``: what toolsrv serves — the synthetic ``idx`` and each tool's script (read-only
+    here) where this machine has it."""
 
     def entries() -> dict[str, Node]:
         out: dict[str, Node] = {"idx": Text(("t", "idx"), reg.tools_idx_text)}
-        for name, info in sorted(reg.local_tools.tools().items()):
-            out[os.path.basename(info.path)] = Text(("t", name), _reader(info.path))
+        for name in sorted(reg.catalogue):
+            path = reg.tool_script(name)
+            if path is not None:
+                out[name] = Text(("t", name), _reader(path))
         return out
 
-    return StaticDir(("t",), entries)
+    return StaticDir(("t",), entries, refresh=reg.fresh_catalogue)
 
 
-def _reader(path: str) -> Callable[[], str]:
+def _reader(path: Path) -> Callable[[], str]:
     def read() -> str:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -153,7 +164,7 @@ def root(reg: Registry) -> Dir:
         ("/",),
         lambda: {
             "backends": Text(("backends",), reg.backends_text),
-            "help": Text(("help",), lambda: HELP),
+            "help": Text(("help",), lambda: HELP + help_text() + HELP_END),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,
             "t": tools_dir(reg),

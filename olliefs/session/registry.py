@@ -7,25 +7,26 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Mapping
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
 
-from olliefs.agent.chat import GrowingLog
+from olliefs.agent.agent import Services
+from olliefs.agent.config import Cfg, resolve_cwd
+from olliefs.agent.runtime import ToolLink
 from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
+from olliefs.live import GrowingLog
 from olliefs.session import persist
-from olliefs.session.session import Session, journal_path, resolve_cwd
+from olliefs.session.session import Session, journal_path
 from olliefs.settings import Paths, agent_names, shipped_dir
+from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
-from toolsrv import registry as tools_registry
 from toolsrv.protocol import ToolMeta
-
-if TYPE_CHECKING:
-    from olliefs.agent.runtime import ToolLink
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ NEW_TEMPLATE = "".join(f"{k}=\n" for k in NEW_KEYS)
 RESERVED = {"new", "idx"}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 DEFAULT_MODEL = "gpt-4o-mini"
+# The daemon's own attach to toolsrv, for t/idx and tool metadata (never a session uid,
+# which always holds a '-').
+TREE_AGENT = "olliefs_tree"
+CATALOGUE_MAX_AGE = 1.0
 
 
 def new_uid() -> str:
@@ -53,17 +58,30 @@ class Registry:
         self.mountpoint = mountpoint
         self._nursery = nursery
         self.sessions: dict[str, Session] = {}
-        self.events = GrowingLog()
+        self._reserved: set[str] = set()  # names of sessions being created
+        self.logs_dir = paths.state / "logs"
+        self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.events = GrowingLog(self.logs_dir / "events")
         self._backends: dict[str, Backend] = {}
         self._ctxlen: dict[tuple[str, str], int] = {}
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
         self.default_model = settings.get("OLLIE_MODEL") or DEFAULT_MODEL
         self.toolsrv = Toolsrv(paths, self.settings, nursery)
-        # The daemon's own view of the tool dirs, for t/ and for checking tool_load names
-        # before toolsrv is asked (the same dirs a local toolsrv serves).
-        self.local_tools = tools_registry.Registry(
-            [paths.config / "tools", shipped_dir() / "tools"]
+        # What toolsrv serves (t/idx, tool metadata, tool_load names), read over the
+        # daemon's own attach, so a remote toolsrv is listed as it really is.
+        self.catalogue: dict[str, tuple[ToolMeta, dict[str, Any]]] = {}
+        self._catalogue_at = -1e9
+        self._catalogue_lock = trio.Lock()
+        self._tree_link = ToolLink(self.toolsrv, TREE_AGENT, [])
+        self._tree_link.bind(nursery)
+        self.services = Services(
+            backend=self.backend,
+            profile_prompt=self.profile_prompt,
+            tool_meta=self.tool_meta,
+            mountpoint=mountpoint,
+            memory_dir=str(paths.memory),
+            results_root=self.toolsrv.tmp_root,
         )
 
     # ---- backends and profiles ------------------------------------------------------
@@ -76,11 +94,11 @@ class Registry:
             self._backends[name] = pool.make_backend(name, self.settings)
         return self._backends[name]
 
-    async def context_length(self, s: Session) -> int:
-        key = (s.backend_name, s.model)
+    async def context_length(self, backend: str, model: str) -> int:
+        key = (backend, model)
         if key not in self._ctxlen:
             try:
-                self._ctxlen[key] = await s.backend().context_length(s.model)
+                self._ctxlen[key] = await self.backend(backend).context_length(model)
             except BackendError as err:
                 log.info("context length of %s unknown (%s); using the default", key, err)
                 self._ctxlen[key] = self.default_context_length
@@ -119,28 +137,58 @@ class Registry:
         prompt = self.profile(agent).get("prompt", "")
         return prompt if isinstance(prompt, str) else ""
 
-    def tool_meta(self, name: str) -> ToolMeta | None:
-        info = self.local_tools.tools().get(name)
-        return None if info is None else info.meta()
+    async def refresh_tools(self, max_age: float = 0.0) -> None:
+        """Read what toolsrv serves, unless the last read is younger than ``max_age``.
 
-    def known_tools(self, link: ToolLink) -> set[str]:
-        return set(link.catalogue) | set(self.local_tools.tools())
+        toolsrv not reachable: the catalogue stays as it was and the reason is logged;
+        the tree shows what it knew.
+        """
+        async with self._catalogue_lock:
+            if trio.current_time() - self._catalogue_at < max_age:
+                return
+            try:
+                conn = await self._tree_link.conn()
+                self.catalogue = await conn.metas(await conn.names())
+            except ToolsrvError as err:
+                log.warning("tool catalogue not read: %s", err)
+                return
+            self._catalogue_at = trio.current_time()
+
+    async def fresh_catalogue(self) -> None:
+        await self.refresh_tools(CATALOGUE_MAX_AGE)
+
+    def tool_meta(self, name: str) -> ToolMeta | None:
+        got = self.catalogue.get(name)
+        return None if got is None else got[0]
+
+    def known_tools(self, s: Session) -> set[str]:
+        return set(self.catalogue) | set(s.agent.link.catalogue)
 
     def tools_idx_text(self) -> str:
         """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated."""
         out = []
-        for name, info in sorted(self.local_tools.tools().items()):
-            args = msgspec.json.encode(info.args).decode()
-            flag = "parallel" if info.parallel else "serial"
-            out.append(f"{name}\t{info.description}\t{args}\t{info.tier}\t{flag}\n")
+        for name, (meta, schema) in sorted(self.catalogue.items()):
+            args = msgspec.json.encode(schema).decode()
+            flag = "parallel" if meta.parallel else "serial"
+            out.append(f"{name}\t{meta.description}\t{args}\t{meta.tier}\t{flag}\n")
         return "".join(out)
+
+    def tool_script(self, name: str) -> Path | None:
+        """The script of a tool toolsrv serves, where this machine has it (user's first)."""
+        for d in (self.paths.config / "tools", shipped_dir() / "tools"):
+            if (d / name).is_file():
+                return d / name
+        return None
+
+    def log_path(self, uid: str, kind: str) -> Path | None:
+        return self.logs_dir / f"{uid}.{kind}"
 
     def check_new_name(self, name: str) -> None:
         if not NAME_RE.fullmatch(name) or name in RESERVED:
             raise InvalidRequest(
                 f"bad session name: {name!r} (letters, digits, '.', '_', '-'; not new/idx)"
             )
-        if name in self.sessions:
+        if name in self.sessions or name in self._reserved:
             raise Exists(f"session name taken: {name}")
 
     # ---- texts ----------------------------------------------------------------------
@@ -185,34 +233,39 @@ class Registry:
             self.check_new_name(values["name"])
         return values
 
-    def create(self, text: str) -> Session:
-        """Create a session from an ``s/new`` write; durable before it returns."""
+    async def create(self, text: str) -> Session:
+        """Create a session from an ``s/new`` write; durable before it returns.
+
+        The fsyncs run in a worker thread; the name is reserved meanwhile, so a second
+        ``s/new`` with the same name fails with EEXIST instead of racing this one.
+        """
         v = self.parse_new(text)
         uid = new_uid()
         sid = v.get("name", uid)
-        path = journal_path(self.paths.sessions, uid)
-        journal = persist.Journal(path)
-        rec = persist.Create(uid, sid, v["cwd"], v["backend"], v["model"], v["agent"], time.time())
-        journal.append(rec)
-        journal.sync()
-        persist.sync_dir(self.paths.sessions)
+        self._reserved.add(sid)
+        try:
+            path = journal_path(self.paths.sessions, uid)
+            journal = persist.Journal(path)
+            rec = persist.Create(
+                uid, sid, v["cwd"], v["backend"], v["model"], v["agent"], time.time()
+            )
+            journal.append(rec)
+
+            def durable() -> None:
+                journal.sync()
+                persist.sync_dir(self.paths.sessions)
+
+            await trio.to_thread.run_sync(durable)
+        finally:
+            self._reserved.discard(sid)
         s = self._from_create(rec, journal)
-        s.emit("info", f"session {sid} created (cwd {s.cwd}, {s.backend_name}/{s.model})")
+        s.emit("info", f"session {sid} created (cwd {s.cwd}, {s.cfg.backend}/{s.cfg.model})")
         self._start(s)
         return s
 
     def _from_create(self, rec: persist.Create, journal: persist.Journal) -> Session:
-        return Session(
-            self,
-            journal,
-            uid=rec.uid,
-            id=rec.id,
-            cwd=rec.cwd,
-            backend=rec.backend,
-            model=rec.model,
-            agent=rec.agent,
-            created=rec.ts,
-        )
+        cfg = Cfg(backend=rec.backend, model=rec.model, agent=rec.agent, cwd=rec.cwd)
+        return Session(self, journal, uid=rec.uid, id=rec.id, cfg=cfg, created=rec.ts)
 
     def _start(self, s: Session) -> None:
         self.sessions[s.id] = s
@@ -224,23 +277,41 @@ class Registry:
         self.check_new_name(new)
         old = s.id
         s.record(persist.Rename(new))
-        s.journal.sync()
         del self.sessions[old]
         s.id = new
         self.sessions[new] = s
         s.emit("info", f"renamed from {old} to {new}")
 
-    def kill(self, s: Session) -> None:
-        """Stop the session and move its journal to the transcripts (nothing is lost)."""
+    def kill(self, s: Session) -> Awaitable[None] | None:
+        """Stop the session and move its journal to the transcripts (nothing is lost).
+
+        The session leaves the tree at once; closing its journal (an fsync), moving it
+        and syncing the directories happen in a worker thread, in what the returned
+        awaitable runs (``rm -r`` and ``ctl kill`` await it before they return).
+        """
         if self.sessions.get(s.id) is not s:
-            return
+            return None
         del self.sessions[s.id]
         s.emit("info", "session killed")
         s.close()
+        s.discard()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
         dest = self.paths.transcripts / f"{stamp}-{s.id}.jsonl"
-        shutil.move(s.journal.path, dest)
-        persist.sync_dir(self.paths.sessions)
+
+        return self._keep(s, dest)
+
+    async def _keep(self, s: Session, dest: Path) -> None:
+        # The fsync in a worker thread; the close itself here, on the thread that appends,
+        # so no append can meet a descriptor closed (or reused) under it.
+        await trio.to_thread.run_sync(s.journal.sync)
+        s.journal.close()
+
+        def move() -> None:
+            shutil.move(s.journal.path, dest)
+            persist.sync_dir(self.paths.transcripts)
+            persist.sync_dir(self.paths.sessions)
+
+        await trio.to_thread.run_sync(move)
 
     def restore(self) -> None:
         """Bring back every journalled session (at daemon start)."""
@@ -267,6 +338,8 @@ class Registry:
         """Close every session and backend; safe to call again (signal, then shutdown)."""
         for s in list(self.sessions.values()):
             s.close()
+            s.journal.close()
+        self._tree_link.close()
         self.events.close()
         await self.toolsrv.aclose()
         backends, self._backends = list(self._backends.values()), {}
