@@ -37,6 +37,7 @@ from olliefs.agent.runtime import ToolLink
 from olliefs.backend.base import BackendError, Message, Usage
 from olliefs.errors import Busy, InvalidRequest
 from olliefs.live import GrowingLog, StateCell
+from olliefs.memory import give_back
 from olliefs.session import commands, persist
 from olliefs.session.commands import Apply
 from olliefs.session.persist import Journal, Record
@@ -261,6 +262,7 @@ class Session:
                 self.set_state("idle")
         with trio.CancelScope(shield=True):
             await self.sync()
+        give_back()  # what the turn's pieces occupied goes back to the system
 
     def stop(self) -> None:
         if self._turn_scope is not None:
@@ -283,6 +285,7 @@ class Session:
         self.chat.discard()
         self.events.discard()
         self.agent.history.clear()
+        give_back()
 
     # ---- control --------------------------------------------------------------------
 
