@@ -173,9 +173,12 @@ class Operations(pyfuse3.Operations):
         if fields.update_mode or fields.update_uid or fields.update_gid:
             raise pyfuse3.FUSEError(errno.EPERM)
         if fields.update_size:
-            # O_TRUNC on a control or prompt file (``echo x > ctl``): nothing to cut.
+            # O_TRUNC on a control or prompt file (``echo x > ctl``): nothing to cut;
+            # ftruncate on an open prompt cuts its unsubmitted text.
             if not (isinstance(node, File) and node.writable):
                 raise pyfuse3.FUSEError(errno.EACCES)
+            if fh is not None:
+                self._handle(fh).truncate(attr.st_size)
         return self._attrs(node)
 
     @translated

@@ -25,6 +25,7 @@ tick is only for Ctrl-C, never for data.
 
 from __future__ import annotations
 
+import codecs
 import os
 import stat
 import time
@@ -99,6 +100,9 @@ class Handle:
 
     async def flush(self) -> None:
         pass
+
+    def truncate(self, size: int) -> None:
+        """``ftruncate`` on this handle; only prompt text can be cut."""
 
     def release(self) -> None:
         pass
@@ -239,13 +243,34 @@ class Control(File):
 
 
 class PromptHandle(Handle):
-    def __init__(self, submit: Callable[[str], Awaitable[None]]) -> None:
+    """Text collected per handle and submitted at flush (close).
+
+    A prompt is a stream, like a pipe: every write appends, whatever its offset (an
+    ``O_APPEND`` writer's offset is the file's reported size, 0). Each write is checked
+    as it comes, so that a shell, which ignores errors from close(), still sees a bad
+    prompt refused: bytes that can never be UTF-8 fail that write with EINVAL and are
+    not kept; a sequence cut at the end of a write may be completed by the next one.
+    ``ftruncate`` cuts the text not yet submitted (``ftruncate(fd, 0)`` discards it).
+    """
+
+    def __init__(
+        self, submit: Callable[[str], Awaitable[None]], refused: Callable[[str], None]
+    ) -> None:
         self.submit = submit
+        self.refused = refused
         self.buf = bytearray()
 
     async def write(self, off: int, data: bytes) -> int:
+        try:
+            _utf8_prefix(bytes(self.buf) + data)
+        except UnicodeDecodeError:
+            self.refused("prompt: not valid UTF-8 (the write was refused)")
+            raise InvalidRequest("prompt is not valid UTF-8") from None
         self.buf += data
         return len(data)
+
+    def truncate(self, size: int) -> None:
+        del self.buf[size:]
 
     async def flush(self) -> None:
         if not self.buf:
@@ -254,14 +279,21 @@ class PromptHandle(Handle):
         try:
             text = data.decode()
         except UnicodeDecodeError:
+            self.refused("prompt: ends inside a UTF-8 sequence (not submitted)")
             raise InvalidRequest("prompt is not valid UTF-8") from None
         await self.submit(text)
+
+
+def _utf8_prefix(data: bytes) -> None:
+    """Raise unless ``data`` is UTF-8, or UTF-8 cut inside its last character."""
+    codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
 
 
 @dataclass(eq=False)
 class PromptIn(File):
     key: Hashable
     submit: Callable[[str], Awaitable[None]]
+    refused: Callable[[str], None]
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
 
@@ -269,7 +301,7 @@ class PromptIn(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return PromptHandle(self.submit)
+        return PromptHandle(self.submit, self.refused)
 
 
 # ---- logs and blocking reads ---------------------------------------------------------

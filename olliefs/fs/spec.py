@@ -52,7 +52,7 @@ def session_files(reg: Registry, s: Session) -> dict[str, Node]:
         return Text(("s", u, name), render, live)
 
     return {
-        "prompt": PromptIn(("s", u, "prompt"), s.submit, live=live),
+        "prompt": PromptIn(("s", u, "prompt"), s.submit, s.error, live=live),
         "prompt.prev": text("prompt.prev", lambda: s.prompt_prev + ("\n" if s.prompt_prev else "")),
         "chat": LogFile(("s", u, "chat"), s.chat),
         "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),

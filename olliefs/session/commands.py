@@ -12,6 +12,8 @@ later line is checked against it (``tool_load a`` then ``tool_unload a`` is vali
 
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -78,6 +80,27 @@ def prepare(s: Session, line: str, pending: Pending) -> Apply:
     if not cmd.while_running and s.running:
         raise Busy(f"{name}: refused while a turn is running (ctl stop first)")
     return cmd.prepare(s, arg, pending)
+
+
+def split_request(text: str, what: str) -> list[str]:
+    """Whitespace-separated tokens; a value with spaces in double (or single) quotes,
+    ``cwd="/home/me/my proj"``, with backslash escapes as in a shell. Control bytes other
+    than the separators (tab, newline) are refused: they would end up raw in chat, in
+    file names and in the journal."""
+    check_text(text, what)
+    try:
+        return shlex.split(text, comments=False, posix=True)
+    except ValueError as err:  # an unclosed quote
+        raise InvalidRequest(f"{what}: {err}") from None
+
+
+def check_text(text: str, what: str) -> None:
+    bad = CONTROL.search(text)
+    if bad:
+        raise InvalidRequest(f"{what}: control character {bad.group()!r} refused")
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def tool_names(text: str) -> list[str]:

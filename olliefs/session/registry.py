@@ -22,6 +22,7 @@ from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
 from olliefs.live import GrowingLog
 from olliefs.session import persist
+from olliefs.session.commands import split_request
 from olliefs.session.session import Session, journal_path
 from olliefs.settings import Paths, agent_names, shipped_dir
 from olliefs.toolclient.client import ToolsrvError
@@ -210,7 +211,7 @@ class Registry:
     def parse_new(self, text: str) -> dict[str, str]:
         values: dict[str, str] = {}
         seen: set[str] = set()
-        for tok in text.split():
+        for tok in split_request(text, "s/new"):
             key, sep, value = tok.partition("=")
             if not sep:
                 raise InvalidRequest(f"s/new: expected key=value, got {tok!r}")

@@ -302,6 +302,7 @@ class Session:
 
     async def _apply_all(self, text: str, prepare: Callable[[str], Apply]) -> None:
         try:
+            commands.check_text(text, "request")
             actions = [prepare(line) for line in text.splitlines() if line.strip()]
         except (InvalidRequest, Busy) as err:
             self.error(str(err))

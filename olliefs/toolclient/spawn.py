@@ -23,7 +23,7 @@ from pathlib import Path
 
 import trio
 
-from olliefs.settings import Paths
+from olliefs.settings import Paths, private_file
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class Toolsrv:
             "--log-level",
             self.settings.get("OLLIE_TOOLSRV_LOG_LEVEL", "INFO"),
         ]
+        private_file(self.paths.state / "toolsrv.log")
         log_file = open(self.paths.state / "toolsrv.log", "ab")
         try:
             proc = await trio.lowlevel.open_process(
