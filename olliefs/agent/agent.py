@@ -89,6 +89,8 @@ class Agent:
         self.max_steps = 50
         self.context_length = context_length
         self.turn_cost = 0.0
+        self.injection: str | None = None  # ctl inject / irw, taken at the next step
+        self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
 
     # ---- the turn host --------------------------------------------------------------
 
@@ -129,6 +131,20 @@ class Agent:
     async def checkpoint(self) -> None:
         """After each tool round: the journal reaches the disk (SPEC 4 persistence)."""
         await self.host.checkpoint()
+
+    def take_injection(self) -> str | None:
+        text, self.injection = self.injection, None
+        return text
+
+    def over_budget(self) -> str | None:
+        cap = self.max_session_cost
+        spent = self.history.totals.session_cost
+        if cap is not None and spent >= cap:
+            return (
+                f"session cost ${spent:.4f} reached the cap of ${cap:.4f} "
+                "(OLLIE_MAX_SESSION_COST); the turn ends here"
+            )
+        return None
 
     def tool_env(self) -> Mapping[str, str]:
         return tool_env(

@@ -31,10 +31,12 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import trio
 
-from olliefs.errors import Denied, Interrupted, InvalidRequest, TooMany, WouldBlock
+from olliefs.errors import Denied, Interrupted, InvalidRequest, NotFound, TooMany, WouldBlock
 from olliefs.fs.interrupt import signal_pending
 from olliefs.live import GrowingLog, StateCell
 
@@ -422,6 +424,104 @@ class StaticDir(Dir):
 
     def mtime(self) -> float:
         return self.born
+
+
+# ---- views of files on disk ----------------------------------------------------------
+
+
+class DiskHandle(Handle):
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    async def read(self, off: int, size: int) -> bytes:
+        return os.pread(self.fd, size, off)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass(eq=False)
+class DiskFile(File):
+    """A read-only file of the daemon's own (a branch, a compaction snapshot): what the
+    disk has, size and mtime included, read straight from it."""
+
+    key: Hashable
+    path: Path
+    direct_io = False
+
+    def _stat(self) -> os.stat_result | None:
+        try:
+            return os.stat(self.path)
+        except OSError:
+            return None
+
+    def size(self) -> int:
+        st = self._stat()
+        return st.st_size if st else 0
+
+    def mtime(self) -> float:
+        st = self._stat()
+        return st.st_mtime if st else 0.0
+
+    def valid(self) -> bool:
+        return self.path.is_file()
+
+    def open(self, how: Open) -> Handle:
+        try:
+            return DiskHandle(os.open(self.path, os.O_RDONLY | os.O_CLOEXEC))
+        except FileNotFoundError:
+            raise NotFound(f"gone: {self.path.name}") from None
+
+
+@dataclass(eq=False)
+class DiskDir(Dir):
+    """A read-only view of a folder of the daemon's (``branches/``, ``compactions/``):
+    sub-folders and files as they are on disk, listed sorted (numbers by value)."""
+
+    key: Hashable
+    path: Path
+    # Inside a session directory removal must succeed and do nothing, so that
+    # ``rm -r s/<id>`` reaches the session's rmdir (SPEC 3.7).
+    removal: Literal["ignore", "deny"] = "deny"
+
+    async def unlink(self, name: str) -> None:
+        if self.removal == "deny":
+            raise Denied(f"cannot remove {name}")
+
+    async def rmdir(self, name: str) -> None:
+        await self.unlink(name)
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        try:
+            names = sorted(os.listdir(self.path), key=_natural)
+        except OSError:
+            return []
+        out: list[tuple[str, Node]] = []
+        for name in names:
+            node = self.lookup(name)
+            if node is not None:
+                out.append((name, node))
+        return out
+
+    def lookup(self, name: str) -> Node | None:
+        if name.startswith(".") or name.endswith(".tmp"):
+            return None
+        p = self.path / name
+        if p.is_dir():
+            return DiskDir((self.key, name), p, self.removal)
+        if p.is_file():
+            return DiskFile((self.key, name), p)
+        return None
+
+    def mtime(self) -> float:
+        try:
+            return os.stat(self.path).st_mtime
+        except OSError:
+            return 0.0
+
+
+def _natural(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (1 << 62, name)
 
 
 def owner() -> tuple[int, int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from olliefs.fs.nodes import (
     Control,
     Dir,
+    DiskDir,
     LogFile,
     Node,
     PromptIn,
@@ -70,6 +71,7 @@ def session_files(reg: Registry, s: Session) -> dict[str, Node]:
         "tools": Text(("s", u, "tools"), a.tools_text, live, fresh),
         "systemprompt": Text(("s", u, "systemprompt"), a.systemprompt_text, live, fresh),
         "tail": Script(("s", u, "tail"), s.tail_script, live),
+        "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
     }
 
 
@@ -83,6 +85,9 @@ class SessionDir(StaticDir):
     entry_ttl = 0.0
 
     async def unlink(self, name: str) -> None:
+        pass
+
+    async def rmdir(self, name: str) -> None:
         pass
 
 

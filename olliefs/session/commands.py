@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # An action; one that has more to do off the serving thread (an fsync, a file move)
 # returns what the write then awaits before it returns.
 Apply = Callable[[], Awaitable[None] | None]
-Arity = Literal["none", "one", "rest"]
+Arity = Literal["none", "one", "maybe", "rest"]
 
 
 @dataclass
@@ -73,9 +73,9 @@ def prepare(s: Session, line: str, pending: Pending) -> Apply:
         raise InvalidRequest(f"unknown command: {name} (known: {' '.join(sorted(COMMANDS))})")
     if cmd.arity == "none" and arg:
         raise InvalidRequest(f"{name}: takes no argument")
-    if cmd.arity != "none" and not arg:
+    if cmd.arity in ("one", "rest") and not arg:
         raise InvalidRequest(f"{name}: missing argument")
-    if cmd.arity == "one" and len(arg.split()) != 1:
+    if cmd.arity in ("one", "maybe") and len(arg.split()) > 1:
         raise InvalidRequest(f"{name}: takes one argument")
     if not cmd.while_running and s.running:
         raise Busy(f"{name}: refused while a turn is running (ctl stop first)")
@@ -172,6 +172,70 @@ def _tool_unload(s: Session, arg: str, p: Pending) -> Apply:
 @command("clear", "none", "forget the conversation (chat keeps it)", while_running=False)
 def _clear(s: Session, arg: str, p: Pending) -> Apply:
     return s.clear
+
+
+@command("inject", "rest", "add text to the running turn at its next step (idle: a prompt)")
+def _inject(s: Session, arg: str, p: Pending) -> Apply:
+    return lambda: s.inject(arg, replace=False)
+
+
+@command("irw", "rest", "replace the injection the running turn has not taken yet")
+def _irw(s: Session, arg: str, p: Pending) -> Apply:
+    return lambda: s.inject(arg, replace=True)
+
+
+@command("queue", "one", "queue clear: drop the prompts waiting behind the running turn")
+def _queue(s: Session, arg: str, p: Pending) -> Apply:
+    if arg != "clear":
+        raise InvalidRequest(f"queue: unknown subcommand: {arg} (queue clear)")
+    return s.clear_queue
+
+
+@command("maxsteps", "maybe", "show (in chat) or set the step limit of a turn")
+def _maxsteps(s: Session, arg: str, p: Pending) -> Apply:
+    n = _count("maxsteps", arg, 1, 10_000) if arg else None
+    return lambda: s.set_max_steps(n)
+
+
+@command("save", "none", "write the chat so far to tr/<time>-<id>.md")
+def _save(s: Session, arg: str, p: Pending) -> Apply:
+    return lambda: s.host.save(s)
+
+
+@command("fork", "rest", "fork <name> [<n>]: a new session with the first n messages",
+         while_running=False)  # fmt: skip
+def _fork(s: Session, arg: str, p: Pending) -> Apply:
+    parts = arg.split()
+    if len(parts) > 2:
+        raise InvalidRequest("fork: fork <name> [<n>]")
+    name = parts[0]
+    total = len(s.agent.history.messages)
+    n = _count("fork", parts[1], 0, total) if len(parts) == 2 else total
+    msgs = s.agent.history.messages
+    if n < total and msgs[n].role == "tool":
+        raise InvalidRequest(f"fork: message {n} is a tool result; cut before its call")
+    if n and msgs[n - 1].tool_calls:
+        raise InvalidRequest(f"fork: message {n} has tool calls whose results would be cut")
+    s.host.check_new_name(name)
+    return lambda: s.host.fork(s, name, n)
+
+
+@command("rewind", "one", "drop the last n turns (kept under branches/)", while_running=False)
+def _rewind(s: Session, arg: str, p: Pending) -> Apply:
+    n = _count("rewind", arg, 1, max(s.turns(), 1))
+    if s.turns() == 0:
+        raise InvalidRequest("rewind: no turn to drop")
+    return lambda: s.host.rewind(s, n)
+
+
+def _count(name: str, arg: str, low: int, high: int) -> int:
+    try:
+        n = int(arg)
+    except ValueError:
+        raise InvalidRequest(f"{name}: not a whole number: {arg}") from None
+    if not low <= n <= high:
+        raise InvalidRequest(f"{name}: {n} is out of range ({low}..{high})")
+    return n
 
 
 def help_text() -> str:

@@ -87,8 +87,39 @@ class Tools(msgspec.Struct, tag="tools"):
     names: list[str]
 
 
+class Dropped(msgspec.Struct, tag="dropped"):
+    """Queued prompts dropped by ``ctl queue clear`` (never run, also not after a restart)."""
+
+    seqs: list[int]
+
+
+class MaxSteps(msgspec.Struct, tag="maxsteps"):
+    n: int
+
+
+class Rewind(msgspec.Struct, tag="rewind"):
+    """The last ``n`` turns left the history; they are kept in ``branches/<branch>/``."""
+
+    n: int
+    branch: int
+
+
 Record = (
-    Create | Prompt | Start | End | Ev | Msg | UsageRec | TurnCost | Cfg | Rename | Clear | Tools
+    Create
+    | Prompt
+    | Start
+    | End
+    | Ev
+    | Msg
+    | UsageRec
+    | TurnCost
+    | Cfg
+    | Rename
+    | Clear
+    | Tools
+    | Dropped
+    | MaxSteps
+    | Rewind
 )
 
 _encoder = msgspec.json.Encoder()

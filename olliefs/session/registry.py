@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -235,34 +236,114 @@ class Registry:
         return values
 
     async def create(self, text: str) -> Session:
-        """Create a session from an ``s/new`` write; durable before it returns.
-
-        The fsyncs run in a worker thread; the name is reserved meanwhile, so a second
-        ``s/new`` with the same name fails with EEXIST instead of racing this one.
-        """
+        """Create a session from an ``s/new`` write; durable before it returns."""
         v = self.parse_new(text)
+        cfg = Cfg(backend=v["backend"], model=v["model"], agent=v["agent"], cwd=v["cwd"])
+        s = await self._make(v.get("name"), cfg, [])
+        s.emit("info", f"session {s.id} created (cwd {s.cwd}, {cfg.backend}/{cfg.model})")
+        return s
+
+    async def fork(self, src: Session, name: str, n: int) -> None:
+        """``ctl fork``: a new session with ``src``'s configuration, tools and first ``n``
+        history messages. All or nothing: until the new journal is durable, nothing of
+        the fork is visible, and a failure leaves no trace of it."""
+        extra: list[persist.Record] = [
+            persist.Cfg({k: v for k, v in src.cfg.values().items() if k != "agent"}),
+            persist.Tools(list(src.agent.link.wanted)),
+            persist.MaxSteps(src.agent.max_steps),
+            *(persist.Msg(m) for m in src.agent.history.messages[:n]),
+        ]
+        s = await self._make(name, src.cfg, extra)
+        s.emit("info", f"forked from {src.id} with its first {n} messages")
+        src.emit("info", f"forked into {s.id} with the first {n} messages")
+
+    async def _make(self, name: str | None, cfg: Cfg, extra: list[persist.Record]) -> Session:
+        """A new session from a create record plus ``extra`` records, made durable (in a
+        worker thread) before it appears; its name is reserved meanwhile, so a second
+        request for the same name fails with EEXIST instead of racing this one."""
         uid = new_uid()
-        sid = v.get("name", uid)
+        sid = name or uid
         self._reserved.add(sid)
+        path = journal_path(self.paths.sessions, uid)
         try:
-            path = journal_path(self.paths.sessions, uid)
             journal = persist.Journal(path)
-            rec = persist.Create(
-                uid, sid, v["cwd"], v["backend"], v["model"], v["agent"], time.time()
-            )
-            journal.append(rec)
+            rec = persist.Create(uid, sid, cfg.cwd, cfg.backend, cfg.model, cfg.agent, time.time())
+            for r in (rec, *extra):
+                journal.append(r)
 
             def durable() -> None:
                 journal.sync()
                 persist.sync_dir(self.paths.sessions)
 
             await trio.to_thread.run_sync(durable)
+            s = self._from_create(rec, journal)
+            s.replay(list(extra))
+        except BaseException:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            raise
         finally:
             self._reserved.discard(sid)
-        s = self._from_create(rec, journal)
-        s.emit("info", f"session {sid} created (cwd {s.cwd}, {s.cfg.backend}/{s.cfg.model})")
         self._start(s)
         return s
+
+    async def save(self, s: Session) -> None:
+        """``ctl save``: the chat so far as ``tr/<stamp>-<id>.md``."""
+        size = len(s.chat)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
+        dest = self.paths.transcripts / f"{stamp}-{s.id}.md"
+
+        def write() -> None:
+            data = s.chat.read(0, size)
+            tmp = dest.with_suffix(".md.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+            persist.sync_dir(self.paths.transcripts)
+
+        await trio.to_thread.run_sync(write)
+        s.emit("info", f"saved to tr/{dest.name}")
+
+    def branches_dir(self, s: Session) -> Path:
+        return self.paths.state / "branches" / s.uid
+
+    async def rewind(self, s: Session, n: int) -> None:
+        """``ctl rewind``: the last ``n`` turns leave the history at once; what the
+        history and chat were before is written to ``branches/<k>/`` before the write
+        returns (the journal holds every message too, so a crash in between loses
+        nothing)."""
+        before = list(s.agent.history.messages)
+        chat_size = len(s.chat)
+        root = self.branches_dir(s)
+        k = s.branches + 1
+        s.branches = k
+        s.rewind_to(n, k)
+
+        def write() -> None:
+            d = root / str(k)
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ctx = b"".join(msgspec.json.encode(m) + b"\n" for m in before)
+            for name, data in (("context", ctx), ("chat", s.chat.read(0, chat_size))):
+                with open(d / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            persist.sync_dir(d)
+
+        await trio.to_thread.run_sync(write)
+
+    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]:
+        """A ``!cmd`` prompt: bash through toolsrv's ``execute_code``, sandboxed like any
+        tool (the user typed it, but a prompt can also come from an agent or a peer)."""
+        link = self._tree_link
+        if "execute_code" not in link.wanted:
+            link.set_wanted([*link.wanted, "execute_code"])
+        result = await link.call("execute_code", {"code": cmd, "language": "bash"}, cwd, env)
+        return result.text.rstrip("\n"), result.isError
 
     def _from_create(self, rec: persist.Create, journal: persist.Journal) -> Session:
         cfg = Cfg(backend=rec.backend, model=rec.model, agent=rec.agent, cwd=rec.cwd)

@@ -32,6 +32,7 @@ from olliefs.agent.agent import Agent, Services
 from olliefs.agent.chat import ChatRenderer
 from olliefs.agent.config import KEYS, PARAM_KEYS, Cfg, parse_param, resolve_cwd
 from olliefs.agent.events import Event, EventRole, encode_line
+from olliefs.agent.loop import TurnEnded
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink
 from olliefs.backend.base import BackendError, Message, Usage
@@ -41,6 +42,7 @@ from olliefs.memory import give_back
 from olliefs.session import commands, persist
 from olliefs.session.commands import Apply
 from olliefs.session.persist import Journal, Record
+from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
 
 log = logging.getLogger(__name__)
@@ -72,11 +74,19 @@ class SessionHost(Protocol):
 
     def rename(self, s: Session, new: str) -> None: ...
 
+    async def fork(self, src: Session, name: str, n: int) -> None: ...
+
+    async def save(self, s: Session) -> None: ...
+
+    async def rewind(self, s: Session, n: int) -> None: ...
+
     def kill(self, s: Session) -> Awaitable[None] | None: ...
 
     def known_tools(self, s: Session) -> set[str]: ...
 
     async def refresh_tools(self) -> None: ...
+
+    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]: ...
 
     async def context_length(self, backend: str, model: str) -> int: ...
 
@@ -114,6 +124,9 @@ class Session:
         self._scope = trio.CancelScope()
         self.closed = False
         self._replaying = False
+        # History index where each turn began (its prompt), for ``rewind``.
+        self.turn_starts: list[int] = []
+        self.branches = 0  # how many rewinds kept a branch
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
         self.agent = Agent(
@@ -125,6 +138,7 @@ class Session:
             retry=RetryPolicy.from_settings(host.settings),
             context_length=int(host.settings.get("OLLIE_CONTEXT_LENGTH") or 128000),
         )
+        self.agent.max_session_cost = _cost_cap(host.settings.get("OLLIE_MAX_SESSION_COST"))
 
     # ---- identity and derived texts -------------------------------------------------
 
@@ -200,9 +214,17 @@ class Session:
     # ---- prompts and the turn runner ------------------------------------------------
 
     async def submit(self, text: str) -> None:
-        """Acknowledge a prompt: journal it, fsync, show its ``user:`` line, queue it."""
+        """Acknowledge a prompt: journal it, fsync, show its ``user:`` line, queue it.
+
+        ``/cmd`` is a ctl command, run at once (``/stop`` stops the running turn);
+        ``!cmd`` is a shell command, queued like a prompt and run in the session's cwd
+        under toolsrv's sandbox when its turn comes, its output added to the context.
+        """
         text = text.strip()
         if not text or self.closed:
+            return
+        if text.startswith("/"):
+            await self.ctl(text[1:])
             return
         self._seq += 1
         seq = self._seq
@@ -240,13 +262,17 @@ class Session:
         try:
             with trio.CancelScope() as scope:
                 self._turn_scope = scope
+                if text.startswith("!"):
+                    await self._run_shell(text[1:].strip())
+                    return
+                self.turn_starts.append(len(agent.history.messages))
                 agent.context_length = await self.host.context_length(
                     agent.cfg.backend, agent.cfg.model
                 )
                 await agent.run(text)
             if scope.cancelled_caught:
                 self.emit("info", "stopped")
-        except BackendError as err:
+        except (BackendError, TurnEnded) as err:
             self.emit("error", str(err))
         except Exception as err:  # a bug must not take the daemon down
             log.exception("turn of session %s failed", self.id)
@@ -264,9 +290,66 @@ class Session:
             await self.sync()
         give_back()  # what the turn's pieces occupied goes back to the system
 
+    async def _run_shell(self, cmd: str) -> None:
+        if not cmd:
+            self.error("!: no command")
+            return
+        self.set_state("calling: !")
+        try:
+            text, failed = await self.host.run_shell(cmd, self.cwd, self.agent.tool_env())
+        except ToolsrvError as err:
+            self.error(f"!{cmd}: {err}")
+            return
+        finally:
+            self.set_state("thinking")
+        self.emit("tool", text or "(no output)", name="!")
+        how = "failed" if failed else "printed"
+        self.agent.add_message(
+            Message("user", f"I ran `{cmd}` in {self.cwd}; it {how}:\n{text}".rstrip())
+        )
+
     def stop(self) -> None:
         if self._turn_scope is not None:
             self._turn_scope.cancel()
+
+    def inject(self, text: str, *, replace: bool) -> Awaitable[None] | None:
+        """``inject``/``irw``: text for the running turn's next step; idle, a prompt."""
+        if not self.running:
+            return self.submit(text)
+        agent = self.agent
+        if replace or agent.injection is None:
+            verb = "replaced" if replace and agent.injection is not None else "queued"
+            agent.injection = text
+        else:
+            verb = "added"
+            agent.injection += "\n" + text
+        self.emit("info", f"injection {verb} for the running turn")
+        return None
+
+    def clear_queue(self) -> None:
+        seqs = [seq for seq, _ in self.queue]
+        self.record(persist.Dropped(seqs))
+        self.queue.clear()
+        self.emit("info", f"queue cleared ({len(seqs)} prompt{'' if len(seqs) == 1 else 's'})")
+        if not self.running:
+            self.set_state("idle")
+
+    def set_max_steps(self, n: int | None) -> None:
+        if n is not None:
+            self.record(persist.MaxSteps(n))
+            self.agent.max_steps = n
+        self.emit("info", f"maxsteps {self.agent.max_steps}")
+
+    def turns(self) -> int:
+        return len(self.turn_starts)
+
+    def rewind_to(self, n: int, branch: int) -> None:
+        """Drop the last ``n`` turns from the history (their branch is already on disk)."""
+        cut = self.turn_starts[len(self.turn_starts) - n]
+        del self.agent.history.messages[cut:]
+        del self.turn_starts[len(self.turn_starts) - n :]
+        self.record(persist.Rewind(n, branch))
+        self.emit("info", f"rewound {n} turn{'' if n == 1 else 's'} (kept in branches/{branch})")
 
     def close(self) -> None:
         """Stop everything; wake every reader so blocked reads end with EOF."""
@@ -366,6 +449,7 @@ class Session:
     def clear(self) -> None:
         self.record(persist.Clear())
         self.agent.history.clear()
+        self.turn_starts.clear()
         self.emit("info", "history cleared")
 
     # ---- restore --------------------------------------------------------------------
@@ -376,6 +460,7 @@ class Session:
         started: set[int] = set()
         prompts: dict[int, str] = {}
         ended: set[int] = set()
+        dropped: set[int] = set()
         history = self.agent.history
         try:
             for rec in records:
@@ -385,6 +470,8 @@ class Session:
                     self.prompt_prev = rec.text
                 elif isinstance(rec, persist.Start):
                     started.add(rec.seq)
+                    if not prompts.get(rec.seq, "").startswith("!"):
+                        self.turn_starts.append(len(history.messages))
                 elif isinstance(rec, persist.End):
                     ended.add(rec.seq)
                     self.renderer.end_turn()
@@ -407,6 +494,16 @@ class Session:
                     self.id = rec.id
                 elif isinstance(rec, persist.Clear):
                     history.clear()
+                    self.turn_starts.clear()
+                elif isinstance(rec, persist.Dropped):
+                    dropped.update(rec.seqs)
+                elif isinstance(rec, persist.MaxSteps):
+                    self.agent.max_steps = rec.n
+                elif isinstance(rec, persist.Rewind):
+                    self.branches = max(self.branches, rec.branch)
+                    cut = self.turn_starts[len(self.turn_starts) - rec.n]
+                    del history.messages[cut:]
+                    del self.turn_starts[len(self.turn_starts) - rec.n :]
                 elif isinstance(rec, persist.Tools):
                     self.agent.link.set_wanted(rec.names)
         finally:
@@ -417,9 +514,22 @@ class Session:
             self.emit("info", "interrupted by restart")
             self.renderer.end_turn()
             self.record(persist.End(seq))
-        self.queue.extend((seq, prompts[seq]) for seq in sorted(prompts) if seq not in started)
+        self.queue.extend(
+            (seq, prompts[seq])
+            for seq in sorted(prompts)
+            if seq not in started and seq not in dropped
+        )
         self.set_state("thinking" if self.queue else "idle")
         self.journal.sync()
+
+
+def _cost_cap(value: str | None) -> float | None:
+    try:
+        cap = float(value) if value else None
+    except ValueError:
+        log.warning("OLLIE_MAX_SESSION_COST is not a number: %r; no cap", value)
+        return None
+    return cap if cap is not None and cap >= 0 else None
 
 
 def journal_path(sessions_dir: Path, uid: str) -> Path:
