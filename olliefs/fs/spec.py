@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from olliefs.errors import NotFound
 from olliefs.fs.nodes import (
     Control,
     Dir,
@@ -64,7 +65,7 @@ def session_files(reg: Registry, s: Session) -> dict[str, Node]:
         "ctl": Control(("s", u, "ctl"), s.ctl, live=live),
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
         "usage": text("usage", a.history.totals.usage_text),
-        "cost": text("cost", a.history.totals.cost_text),
+        "cost": text("cost", lambda: reg.cost_text(s)),
         "ctxsz": text("ctxsz", a.ctxsz_text),
         "context": text("context", a.context_text),
         "env": text("env", s.env_text),
@@ -72,7 +73,49 @@ def session_files(reg: Registry, s: Session) -> dict[str, Node]:
         "systemprompt": Text(("s", u, "systemprompt"), a.systemprompt_text, live, fresh),
         "tail": Script(("s", u, "tail"), s.tail_script, live),
         "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
+        "peer": PeerDir(reg, s),
     }
+
+
+class PeerDir(Dir):
+    """``peer/``: one file per other session of the family; writing one submits the text
+    to that session, prefixed with the sender's id (fire-and-forget: the write returns
+    once the peer acknowledged the prompt, not when it answered)."""
+
+    perm = 0o755
+    entry_ttl = 0.0  # families change as sessions come and go
+
+    def __init__(self, reg: Registry, s: Session) -> None:
+        self.key = ("s", s.uid, "peer")
+        self.reg = reg
+        self.s = s
+
+    def _file(self, other: Session) -> Node:
+        sender = self.s
+
+        async def send(text: str) -> None:
+            if not text.strip():
+                return
+            if other.closed:
+                raise NotFound(f"peer {other.id} is gone")
+            await other.submit(f"[from {sender.id}] {text.strip()}")
+
+        return PromptIn(("s", self.s.uid, "peer", other.uid), send, other.error)
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        return [(o.id, self._file(o)) for o in self.reg.family(self.s)]
+
+    def lookup(self, name: str) -> Node | None:
+        for o in self.reg.family(self.s):
+            if o.id == name:
+                return self._file(o)
+        return None
+
+    async def unlink(self, name: str) -> None:
+        pass  # rm -r of the session goes through
+
+    def valid(self) -> bool:
+        return not self.s.closed
 
 
 class SessionDir(StaticDir):

@@ -202,8 +202,7 @@ def _save(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.host.save(s)
 
 
-@command("fork", "rest", "fork <name> [<n>]: a new session with the first n messages",
-         while_running=False)  # fmt: skip
+@command("fork", "rest", "fork <name> [<n>]: a new session with the first n messages")
 def _fork(s: Session, arg: str, p: Pending) -> Apply:
     parts = arg.split()
     if len(parts) > 2:

@@ -40,6 +40,7 @@ DEFAULT_MODEL = "gpt-4o-mini"
 # The daemon's own attach to toolsrv, for t/idx and tool metadata (never a session uid,
 # which always holds a '-').
 TREE_AGENT = "olliefs_tree"
+SUB = "__"  # <parent>__<child>: a subagent's session name
 CATALOGUE_MAX_AGE = 1.0
 
 
@@ -61,6 +62,7 @@ class Registry:
         self._nursery = nursery
         self.sessions: dict[str, Session] = {}
         self._reserved: set[str] = set()  # names of sessions being created
+        self.max_depth = _int(settings.get("OLLIE_SUBAGENT_DEPTH"), 3)
         self.logs_dir = paths.state / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.events = GrowingLog(self.logs_dir / "events")
@@ -185,6 +187,40 @@ class Registry:
     def log_path(self, uid: str, kind: str) -> Path | None:
         return self.logs_dir / f"{uid}.{kind}"
 
+    # ---- families: parents, children, siblings (``<parent>__<child>``) ------------------
+
+    def family(self, s: Session) -> list[Session]:
+        """The other sessions of ``s``'s family: its parent, its children, its siblings."""
+        parent = s.id.rpartition(SUB)[0] if SUB in s.id else None
+        out = []
+        for other in self.sessions.values():
+            if other is s:
+                continue
+            up = other.id.rpartition(SUB)[0] if SUB in other.id else None
+            if other.id == parent or up == s.id or (parent is not None and up == parent):
+                out.append(other)
+        return sorted(out, key=lambda o: o.id)
+
+    def children(self, s: Session) -> list[Session]:
+        prefix = s.id + SUB
+        return sorted(
+            (o for o in self.sessions.values() if o.id.startswith(prefix)), key=lambda o: o.id
+        )
+
+    def cost_text(self, s: Session) -> str:
+        """``cost``: the session's own, then one line per subagent (all descendants,
+        their cost included in ``costTotal``)."""
+        totals = s.agent.history.totals
+        lines = [totals.cost_text()]
+        total = totals.session_cost
+        for child in self.children(s):
+            c = child.agent.history.totals.session_cost
+            total += c
+            lines.append(f"child {child.id}=${c:.4f}\n")
+        if len(lines) > 1:
+            lines.append(f"costTotal=${total:.4f}\n")
+        return "".join(lines)
+
     def check_new_name(self, name: str) -> None:
         if not NAME_RE.fullmatch(name) or name in RESERVED:
             raise InvalidRequest(
@@ -192,6 +228,12 @@ class Registry:
             )
         if name in self.sessions or name in self._reserved:
             raise Exists(f"session name taken: {name}")
+        depth = name.count(SUB)
+        if depth > self.max_depth:
+            raise InvalidRequest(
+                f"{name}: subagent depth {depth} is over the limit of {self.max_depth} "
+                "(OLLIE_SUBAGENT_DEPTH)"
+            )
 
     # ---- texts ----------------------------------------------------------------------
 
