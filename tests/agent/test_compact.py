@@ -31,7 +31,7 @@ from olliefs.agent.compact import (
     write_snapshot,
 )
 from olliefs.agent.dispatch import ERROR_MARK
-from olliefs.agent.history import collapse
+from olliefs.agent.history import History, collapse
 from olliefs.agent.taskstate import TaskState, from_json
 from olliefs.backend.base import (
     Backend,
@@ -403,3 +403,14 @@ def test_snapshot_is_atomic(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]
     assert read_snapshot(tmp_path / "2") == msgs[:2]
     assert (tmp_path / "2" / "dropped").read_text() == ""
+
+
+async def test_history_replace_forgets_the_old_context_size() -> None:
+    h = History(long_conversation())
+    h.totals.add(Usage(input_tokens=90_000, output_tokens=10), 0.0, False)
+    assert should_compact(h.totals.last_context_tokens or h.estimate(), 100_000)
+    _, res, _ = await run(h.messages, answer())
+    h.replace(res.messages)
+    assert h.messages == res.messages
+    assert h.totals.last_context_tokens == 0 and h.totals.input_tokens == 90_000
+    assert not should_compact(h.totals.last_context_tokens or h.estimate(), 100_000)
