@@ -30,6 +30,7 @@ propagates, after the command's group is gone.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args
@@ -74,6 +75,36 @@ class HookResult:
     warnings: list[str] = field(default_factory=list)
     ran: int = 0
     ok: bool = False
+
+
+def hook_payload(
+    event: HookEvent,
+    *,
+    session_id: str,
+    agent: str,
+    cwd: str,
+    backend: str,
+    model: str,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A payload with the fields every event carries, plus the event's own ``fields``.
+
+    The fields of each event (ollie-agent(5), HOOK PAYLOAD): agentSpawn ``parent depth``;
+    preTurn ``prompt``; postTurn ``prompt reply end rounds``; preTool ``tool args
+    call_id``; postTool ``tool args call_id result is_error``; preCompact ``trigger focus
+    tokens``; postCompact ``trigger compaction messages_before messages_after``; turnError
+    ``error error_type attempt``.
+    """
+    return {
+        "event": event,
+        "session_id": session_id,
+        "agent": agent,
+        "cwd": cwd,
+        "backend": backend,
+        "model": model,
+        "ts": time.time(),
+        **fields,
+    }
 
 
 def hook_env(event: str, payload: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:

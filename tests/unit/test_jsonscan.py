@@ -75,7 +75,7 @@ def parses(data: bytes) -> bool:
 
 
 @given(documents())
-@settings(deadline=None, max_examples=300)
+@settings(deadline=None, max_examples=150)
 @example(b'{"a": [1, -0.5e+10, true, false, null, "\\u00e9\\ud83d\\ude00"]}')
 @example('"é€😀"'.encode())
 def test_every_prefix_of_a_document_is_ok(doc: bytes) -> None:
@@ -88,8 +88,32 @@ def test_every_prefix_of_a_document_is_ok(doc: bytes) -> None:
     assert s.complete
 
 
+EDGE_DOCUMENTS = [
+    b"1E5",
+    b"-0.0e+00",
+    b"[1.5E-3, 0, -1, 10e1]",
+    b'"\\/\\\\\\"\\b\\f\\n\\r\\t\\u00AFx\\uABcd"',
+    b'[[], {}, [{}], {"": []}]',
+    b' \t\r\n{"": ""} \n',
+    b"true",
+    b"null ",
+    b'"\x7f"',
+    '{"\u00e9\u20ac\U0001f600": "\u00e9"}'.encode(),
+]
+
+
+@pytest.mark.parametrize("doc", EDGE_DOCUMENTS)
+def test_edge_documents(doc: bytes) -> None:
+    assert parses(doc), doc
+    s = JsonScanner()
+    for n in range(len(doc)):
+        assert s.ok and parses(doc[:n] + s.completion()), doc[:n]
+        s.feed(doc[n : n + 1])
+    assert s.complete
+
+
 @given(documents(), st.data())
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None, max_examples=100)
 def test_split_into_writes_changes_nothing(doc: bytes, data: st.DataObject) -> None:
     cuts = sorted(data.draw(st.lists(st.integers(0, len(doc)), max_size=8)))
     scanner = JsonScanner()
@@ -122,7 +146,7 @@ def mutated(draw: st.DrawFn) -> bytes:
 
 
 @given(mutated())
-@settings(deadline=None, max_examples=400)
+@settings(deadline=None, max_examples=300)
 @example(b"[1,]")
 @example(b'{"a":1,}')
 @example(b"01")
@@ -148,7 +172,7 @@ def test_mutations_agree_with_the_oracle(doc: bytes) -> None:
 
 
 @given(st.binary(max_size=40))
-@settings(deadline=None, max_examples=500)
+@settings(deadline=None, max_examples=300)
 def test_random_bytes(data: bytes) -> None:
     s = scan(data)
     assert s.complete == parses(data)
