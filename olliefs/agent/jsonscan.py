@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import codecs
 import re
-from enum import IntEnum
 
 MAX_DEPTH = 512
 
@@ -45,11 +44,21 @@ _DIGITS = re.compile(r"[0-9]*")
 _HEX = frozenset("0123456789abcdefABCDEF")
 _ESCAPES = frozenset('"\\/bfnrt')
 _LONE_HIGH = "a high surrogate \\uD800-\\uDBFF must be followed by a low one (\\uDC00-\\uDFFF)"
+# One whole token after optional whitespace: a string without escapes, a number followed by
+# what ends it (so it cannot go on), a literal, or punctuation. Anything else (escapes, a
+# token cut at the end of a chunk, an invalid character) takes the character path.
+_TOKEN = re.compile(
+    r'[ \t\n\r]*(?:(?P<s>"[^"\\\x00-\x1f]*")'
+    r"|(?P<n>-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)(?=[ \t\n\r,\]}])"
+    r"|(?P<l>true|false|null)"
+    r"|(?P<p>[{}\[\],:]))"
+)
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
 
 
-class _S(IntEnum):
-    """Where the automaton is. Structural states say what may come next."""
+class _S:
+    """Where the automaton is. Structural states say what may come next. Plain ints, not
+    an IntEnum: an enum member lookup costs ten times a class attribute, per character."""
 
     VALUE = 0  # a value (top level start, after ':' or after ',' in an array)
     VALUE_OR_CLOSE = 1  # after '['
@@ -248,6 +257,14 @@ class JsonScanner:
                 if self.error is not None:
                     return
             else:
+                m = _TOKEN.match(s, i)
+                if m is not None:
+                    j = self._token(s, i, m)
+                    if self.error is not None:
+                        return
+                    if j > i:
+                        i = j
+                        continue
                 j = _WS_RUN.match(s, i).end()  # type: ignore[union-attr]
                 if j > i:
                     self._advance(s, i, j)
@@ -259,6 +276,33 @@ class JsonScanner:
                     return
                 self.col += 1
                 i += 1
+
+    def _token(self, s: str, i: int, m: re.Match[str]) -> int:
+        """The fast path of structural states: one whole token (with the whitespace before
+        it) matched by `_TOKEN` and applied at once. Returns where scanning goes on; ``i``
+        (nothing consumed) when the token is not one the state takes whole, so that the
+        character path reports the error or takes the token apart."""
+        kind = m.lastgroup
+        start = m.start(kind)  # type: ignore[arg-type]
+        st = self.state
+        if kind == "p":
+            if start > i:
+                self._advance(s, i, start)
+            self._first = False
+            self._structural(s[start])
+            self.col += 1
+            return start + 1
+        if st == _S.VALUE or st == _S.VALUE_OR_CLOSE:
+            self.state = _S.AFTER_VALUE if self.stack else _S.END
+        elif kind == "s" and (st == _S.KEY or st == _S.KEY_OR_CLOSE):
+            self.state = _S.COLON
+        else:
+            return i
+        if start > i:
+            self._advance(s, i, start)
+        self._first = False
+        self.col += m.end() - start  # a whole token holds no newline
+        return m.end()
 
     def _surrogate_ok(self) -> bool:
         """Lone surrogates are refused as soon as the digits so far decide it (the
@@ -336,7 +380,7 @@ class JsonScanner:
             j = _DIGITS.match(s, i).end()  # type: ignore[union-attr]
             self.col += j - i
             return j
-        nxt: _S | None = None
+        nxt: int | None = None
         if st == _S.N_MINUS:
             nxt = _S.N_ZERO if c == "0" else _S.N_INT if digit else None
             if nxt is None:
