@@ -77,7 +77,6 @@ from ninep.codec import (
     Tflush,
     TMessage,
     Topen,
-    Transport,
     Tread,
     Tremove,
     Tstat,
@@ -89,6 +88,7 @@ from ninep.codec import (
     encode,
     encode_stat,
 )
+from ninep.transport import Transport
 
 logger = logging.getLogger("ninep.server")
 

@@ -34,6 +34,7 @@ import trio
 from ninep import codec as c
 from ninep.codec import NinePError
 from ninep.server import BaseFileSystem, ServerStats, serve_unix
+from ninep.transport import Transport
 
 TEST_MAX_MSIZE = (1 << 16) + c.IOHDRSZ
 BIG = bytes(i * 7 % 251 for i in range(200_000))
@@ -293,7 +294,7 @@ class Raw:
 
     def __init__(self, stream: trio.abc.HalfCloseableStream) -> None:
         self.stream = stream
-        self.transport = c.Transport(stream)
+        self.transport = Transport(stream)
 
     async def send(self, *msgs: c.Message) -> None:
         await self.stream.send_all(b"".join(c.encode(m) for m in msgs))
