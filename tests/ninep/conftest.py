@@ -38,6 +38,7 @@ from ninep.transport import Transport
 
 TEST_MAX_MSIZE = (1 << 16) + c.IOHDRSZ
 BIG = bytes(i * 7 % 251 for i in range(200_000))
+MAX_FILE = 64 << 20  # room for test_large_frames; a fuzzed offset must not allocate more
 
 
 @dataclass(eq=False)
@@ -186,6 +187,8 @@ class MemFS(BaseFileSystem[MNode, MHandle]):
     async def write(self, handle: MHandle, offset: int, data: bytes) -> int:
         assert handle.id in self.open_handles, "write on a clunked handle"
         node = handle.node
+        if offset + len(data) > MAX_FILE:
+            raise NinePError("file too large")
         self.writes.append((offset, len(data)))
         if len(node.data) < offset:
             node.data.extend(bytes(offset - len(node.data)))
