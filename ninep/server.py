@@ -113,8 +113,8 @@ class FileSystem(Protocol[N, H]):
 
     Refuse anything by raising ``NinePError(ename)``; other exceptions are treated as
     bugs (logged, answered "internal error"). Every method may be cancelled (Tflush,
-    Tversion, connection loss) except ``clunk`` and ``detach``, which run shielded and
-    must not block for long.
+    Tversion, connection loss) except ``clunk``, which runs shielded, and ``detach``,
+    which is synchronous; neither may block for long.
     """
 
     async def attach(self, uname: str, aname: str) -> N:
@@ -173,8 +173,7 @@ class BaseFileSystem(FileSystem[N, H]):
     and override what the tree supports.
 
     ``attach``, ``walk``, ``stat`` and ``open`` have no sensible default and must be
-    provided (``open`` used to return the node as its handle, which only type-checks
-    when the two types are one; such a tree writes that one line itself).
+    provided (a tree whose handle is the node itself writes ``return node``).
     """
 
     def detach(self, root: N) -> None:
