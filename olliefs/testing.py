@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from olliefs.replay import ReplayServer
+from olliefs.settings import shipped_dir
 from olliefs.toolclient.client import ToolsrvConn, connect
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK)
@@ -253,6 +254,10 @@ class ToolsrvProc:
         argv += ["--log-level", self.log_level]
         for d in self.tools_dirs:
             argv += ["--tools-dir", str(d)]
+        # toolsrv imports nothing of olliefs: the shipped defaults are named, as the
+        # daemon's spawner names them.
+        argv += ["--tools-dir", str(shipped_dir() / "tools")]
+        argv += ["--sandbox-dir", str(shipped_dir() / "sandbox")]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import operator
 import os
 import re
 import stat
@@ -35,49 +36,85 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
+from landlock import SyscallError
+from landlock.plumbing import (
+    CREATE_RULESET_VERSION,
+    FSAccess,
+    PathBeneathAttr,
+    RulesetAttr,
+    get_add_rule,
+    get_create_ruleset,
+    get_restrict_self,
+)
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
-# --- Landlock UAPI (include/uapi/linux/landlock.h) ------------------------------------------
+# --- Landlock ------------------------------------------------------------------------------
+#
+# The `landlock` package (pinned in pyproject) gives the ABI query, the filesystem access
+# flags and the three ruleset syscalls with their error reasons. It knows nothing of network
+# rules and scopes (ABI 4 and 6): what it lacks is the longer ``landlock_ruleset_attr`` below,
+# handed to its create_ruleset through a pointer cast, and two sets of bits.
+#
+# Its syscall wrappers take ``ctypes.get_errno() != 0`` for failure, not the return value,
+# and ctypes keeps one private errno per thread for every ``use_errno`` library: after any
+# failed call in the same thread (ours or its own), a successful Landlock call would be
+# reported as failing with that stale errno. `_ll` clears it before each call.
 
-# Syscall numbers: the same on every architecture since 5.1's unified table (alpha aside).
-_NR_CREATE_RULESET = 444
-_NR_ADD_RULE = 445
-_NR_RESTRICT_SELF = 446
-_CREATE_RULESET_VERSION = 1 << 0
-_RULE_PATH_BENEATH = 1
-
-FS_EXECUTE = 1 << 0
-FS_WRITE_FILE = 1 << 1
-FS_READ_FILE = 1 << 2
-FS_READ_DIR = 1 << 3
-FS_REMOVE_DIR = 1 << 4
-FS_REMOVE_FILE = 1 << 5
-FS_MAKE_CHAR = 1 << 6
-FS_MAKE_DIR = 1 << 7
-FS_MAKE_REG = 1 << 8
-FS_MAKE_SOCK = 1 << 9
-FS_MAKE_FIFO = 1 << 10
-FS_MAKE_BLOCK = 1 << 11
-FS_MAKE_SYM = 1 << 12
-FS_REFER = 1 << 13  # ABI 2
-FS_TRUNCATE = 1 << 14  # ABI 3
-FS_IOCTL_DEV = 1 << 15  # ABI 5
+FS_EXECUTE = int(FSAccess.EXECUTE)
+FS_WRITE_FILE = int(FSAccess.WRITE_FILE)
+FS_READ_FILE = int(FSAccess.READ_FILE)
+FS_READ_DIR = int(FSAccess.READ_DIR)
+FS_REFER = int(FSAccess.REFER)  # ABI 2
+FS_TRUNCATE = int(FSAccess.TRUNCATE)  # ABI 3
+FS_IOCTL_DEV = int(FSAccess.IOCTL_DEV)  # ABI 5
 NET_BIND_TCP = 1 << 0  # ABI 4
 NET_CONNECT_TCP = 1 << 1  # ABI 4
 SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1  # ABI 6
+_RULE_PATH_BENEATH = 1
 
 FS_READ_EXEC = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
 # The rights Landlock accepts on a rule for a non-directory.
 FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
 # /dev/null: writable (shells redirect there constantly) but nothing directory-like.
 FS_DEV_NULL = FS_WRITE_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+# The rights ABI 1 knows: EXECUTE .. MAKE_SYM.
+_FS_ABI1 = functools.reduce(
+    operator.or_, (int(a) for a in FSAccess if int(a) < int(FSAccess.REFER)), 0
+)
+
+_T = TypeVar("_T")
+
+
+def _ll(what: str, fn: Callable[[], _T]) -> _T:
+    """Call into the `landlock` package with the thread's ctypes errno cleared (see above).
+
+    Its SyscallError becomes a one-line OSError saying ``what`` failed and the package's
+    reason for that errno (e.g. "Landlock has been disabled at boot time").
+    """
+    ctypes.set_errno(0)
+    try:
+        return fn()
+    except SyscallError as err:
+        why = f" ({err.reason})" if err.reason else ""
+        raise OSError(err.errno, f"{what}: {err.strerror}{why}") from None
+
+
+class _RulesetAttr(ctypes.Structure):
+    """``struct landlock_ruleset_attr`` as of ABI 6 (the package's has the first field)."""
+
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
 
 # --- other kernel constants ------------------------------------------------------------------
 
@@ -111,19 +148,6 @@ _CAP_NET_RAW = 13
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-
-
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),
-        ("scoped", ctypes.c_uint64),
-    ]
-
-
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
 class _CapHeader(ctypes.Structure):
@@ -252,15 +276,11 @@ def is_protected(path: str, write_roots: Sequence[str]) -> bool:
 @functools.cache
 def _probe_abi() -> int:
     try:
-        abi = _libc.syscall(
-            ctypes.c_long(_NR_CREATE_RULESET),
-            None,
-            ctypes.c_size_t(0),
-            ctypes.c_uint32(_CREATE_RULESET_VERSION),
-        )
-    except (AttributeError, OSError):  # pragma: no cover - no libc syscall()
+        version = _ll("landlock ABI", lambda: get_create_ruleset()(None, 0, CREATE_RULESET_VERSION))
+    except OSError as err:  # ENOSYS, EOPNOTSUPP (disabled at boot), or seccomp
+        log.debug("%s", err.strerror)
         return 0
-    return max(int(abi), 0)
+    return max(int(version), 0)
 
 
 def landlock_abi() -> int:
@@ -417,11 +437,8 @@ class Prepared:
             raise _oserror("prctl(PR_SET_NO_NEW_PRIVS)")
         _drop_caps(self.network)
         if self.ruleset_fd is not None:
-            rc = _libc.syscall(
-                ctypes.c_long(_NR_RESTRICT_SELF), ctypes.c_int(self.ruleset_fd), ctypes.c_uint32(0)
-            )
-            if rc != 0:
-                raise _oserror("landlock_restrict_self")
+            fd = self.ruleset_fd
+            _ll("landlock_restrict_self", lambda: get_restrict_self()(fd, 0))
 
 
 def _refusal(name: str) -> str:
@@ -437,7 +454,7 @@ def fs_rights(abi: int) -> int:
     ABI 7 added no access right (only audit flags). A later ABI may add rights this code
     does not know yet: those would stay unhandled, i.e. allowed, until named here.
     """
-    rights = (1 << 13) - 1  # ABI 1: EXECUTE .. MAKE_SYM
+    rights = _FS_ABI1
     if abi >= 2:
         rights |= FS_REFER
     if abi >= 3:
@@ -526,16 +543,9 @@ def prepare(
     if abi >= 6:
         size = 24
         attr.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
-    fd = int(
-        _libc.syscall(
-            ctypes.c_long(_NR_CREATE_RULESET),
-            ctypes.byref(attr),
-            ctypes.c_size_t(size),
-            ctypes.c_uint32(0),
-        )
-    )
-    if fd < 0:
-        raise _oserror("landlock_create_ruleset")
+    # The package's wrapper is typed for its one-field struct; the kernel reads ``size``.
+    ptr = ctypes.cast(ctypes.pointer(attr), ctypes.POINTER(RulesetAttr))
+    fd = int(_ll("landlock_create_ruleset", lambda: get_create_ruleset()(ptr, size, 0)))
     prepared = Prepared(fd, isolate_net=isolate_net, network=profile.network)
     try:
         _add_rule(fd, "/", FS_READ_EXEC)
@@ -563,16 +573,13 @@ def _add_rule(ruleset: int, path: str, access: int, *, missing_ok: bool = False)
     try:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             access &= FS_FILE_RIGHTS  # Landlock rejects directory rights on a file (EINVAL)
-        rule = _PathBeneathAttr(access, fd)
-        rc = _libc.syscall(
-            ctypes.c_long(_NR_ADD_RULE),
-            ctypes.c_int(ruleset),
-            ctypes.c_int(_RULE_PATH_BENEATH),
-            ctypes.byref(rule),
-            ctypes.c_uint32(0),
+        # The package's struct lacks the kernel's ``packed``: it is 16 bytes, not 12, with
+        # the same first 12, and the kernel reads only those.
+        rule = PathBeneathAttr(access, fd)
+        _ll(
+            f"landlock_add_rule {path}",
+            lambda: get_add_rule()(ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0),
         )
-        if rc != 0:
-            raise _oserror(f"landlock_add_rule {path}")
     finally:
         os.close(fd)
 

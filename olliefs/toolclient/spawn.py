@@ -23,7 +23,7 @@ from pathlib import Path
 
 import trio
 
-from olliefs.settings import Paths
+from olliefs.settings import Paths, shipped_dir
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,9 @@ class Toolsrv:
         # One name per spawn: a toolsrv of a crashed daemon may still be on its way out.
         sock = self.paths.run / f"toolsrv-{os.getpid()}-{self.spawns}.sock"
         key = secrets.token_bytes(32)
+        # toolsrv knows nothing of olliefs: it is told every dir, the user's first (they win
+        # by name), then the shipped defaults.
+        shipped = shipped_dir()
         argv = [
             sys.executable,
             "-m",
@@ -78,8 +81,12 @@ class Toolsrv:
             str(sock),
             "--tools-dir",
             str(self.paths.config / "tools"),
+            "--tools-dir",
+            str(shipped / "tools"),
             "--sandbox-dir",
             str(self.paths.config / "sandbox"),
+            "--sandbox-dir",
+            str(shipped / "sandbox"),
             "--tmp-dir",
             str(self.tmp_root),
             "--exit-with-stdin",

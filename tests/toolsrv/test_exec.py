@@ -7,6 +7,7 @@ profile that runs unsandboxed there, so process handling is tested everywhere.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shlex
@@ -24,9 +25,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from toolsrv import exec as texec
 from toolsrv import sandbox
-from toolsrv.exec import ExecResult
+from toolsrv.exec import ExecResult, Executor
 from toolsrv.sandbox import Profile, SandboxError
 
 ABI = sandbox.landlock_abi()
@@ -44,12 +44,14 @@ PLAIN = Profile(name="plain", unsandboxed=ABI == 0)
 SHIPPED = Path(__file__).resolve().parents[2] / "agents" / "sandbox"
 
 
-@pytest.fixture(autouse=True)
-def exec_reaper() -> Iterator[None]:
-    """What the server does at start: orphans of tools come back to us and get reaped."""
-    texec.init_reaper()
-    yield
-    texec.stop_reaper()
+@pytest.fixture
+def executor() -> Iterator[Executor]:
+    """What the server does at start: an executor of its own, whose reaper gets the orphans
+    of tools back."""
+    ex = Executor()
+    ex.start()
+    yield ex
+    ex.close()
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Box:
     cwd: Path  # a git checkout: src/ and .git/hooks/
     tmp: Path
     outside: Path
+    executor: Executor
 
     def env(self, **extra: str) -> dict[str, str]:
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.tmp), **extra}
@@ -71,7 +74,7 @@ class Box:
         stdin: bytes = b"",
         env: dict[str, str] | None = None,
     ) -> ExecResult:
-        return await texec.run_tool(
+        return await self.executor.run(
             argv,
             stdin=stdin,
             cwd=str(self.cwd),
@@ -84,7 +87,7 @@ class Box:
 
 
 @pytest.fixture
-def exec_box(tmp_path: Path) -> Box:
+def exec_box(tmp_path: Path, executor: Executor) -> Box:
     cwd = tmp_path / "work"
     (cwd / "src").mkdir(parents=True)
     (cwd / ".git" / "hooks").mkdir(parents=True)
@@ -94,7 +97,7 @@ def exec_box(tmp_path: Path) -> Box:
     outside = tmp_path / "outside"
     (outside / "etc").mkdir(parents=True)
     (outside / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
-    return Box(tmp_path, cwd, tmp, outside)
+    return Box(tmp_path, cwd, tmp, outside, executor)
 
 
 def py(code: str, *args: str) -> list[str]:
@@ -395,7 +398,7 @@ async def test_spawn_failures_are_results(exec_box: Box) -> None:
     script.write_text("#!/bin/sh\necho hi\n")
     res = await exec_box.run([str(script)], profile=PLAIN)
     assert res.error is not None and "Permission denied" in res.error
-    res = await texec.run_tool(
+    res = await exec_box.executor.run(
         ["true"],
         stdin=b"",
         cwd=str(exec_box.root / "missing"),
@@ -496,9 +499,18 @@ async def test_timeout_kills_everything(exec_box: Box) -> None:
 
 
 async def test_orphans_of_calls_in_flight_are_left_alone(exec_box: Box) -> None:
-    """The end of one call must not kill what a call still running has re-parented to us."""
-    marker = exec_box.tmp / "marker"
-    slow = f"(setsid sh -c 'sleep 1; echo late > {marker}' &); sleep 2; cat {marker}"
+    """The end of one call must not kill what a call still running has re-parented to us.
+
+    The slow call leaves an orphan (setsid, its parent gone) that waits on a FIFO; the quick
+    call, started once that orphan is ours, leaves one too. After the quick call, the slow
+    call's orphan must still be alive; released, it answers the slow call's leader.
+    """
+    t = exec_box.tmp
+    go, back, pidf = t / "go", t / "back", t / "orphan.pid"
+    os.mkfifo(go)
+    os.mkfifo(back)
+    orphan = f"echo $$ > {pidf}; read x < {go}; echo late > {back}"
+    slow = f"(setsid sh -c {shlex.quote(orphan)} &); cat {back}"
     results: list[ExecResult] = []
     async with trio.open_nursery() as nursery:
 
@@ -506,16 +518,34 @@ async def test_orphans_of_calls_in_flight_are_left_alone(exec_box: Box) -> None:
             results.append(await exec_box.run(["sh", "-c", slow], profile=PLAIN))
 
         nursery.start_soon(slow_call)
-        await trio.sleep(0.3)
+        (pid,) = await read_pids(pidf, 1)
+        with trio.fail_after(20):  # its parent subshell is gone: it is ours now
+            while ppid(pid) != os.getpid():
+                await trio.sleep(0.01)
         quick = await exec_box.run(["sh", "-c", "(setsid sleep 100 &); echo quick"], profile=PLAIN)
         assert quick.stdout == b"quick\n"
+        assert state(pid) not in (None, "Z"), "the in-flight call's orphan was killed"
+
+        def release() -> None:
+            with open(go, "w") as f:
+                f.write("\n")
+
+        await trio.to_thread.run_sync(release)
     assert results[0].stdout == b"late\n"
 
 
+def ppid(pid: int) -> int | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(data[data.rindex(b")") + 2 :].split()[1])
+
+
 @pytest.fixture
-def exec_capped() -> bool:
+def exec_capped(executor: Executor) -> bool:
     """Whether a pids cgroup caps calls (else RLIMIT_NPROC does, except for root)."""
-    capped = "pids" in texec.cgroup_mode()
+    capped = "pids" in executor.cgroup_mode
     if not capped and os.geteuid() == 0:
         pytest.skip(reason="no writable pids cgroup, and root is exempt from RLIMIT_NPROC: no cap")
     return capped
@@ -547,7 +577,7 @@ async def test_fork_bomb_is_contained(exec_box: Box, exec_capped: bool) -> None:
     assert res.timed_out
     assert peak > 5  # it did try
     # pids.max caps the call; RLIMIT_NPROC (the fallback) caps all processes of the user.
-    assert peak <= (limit if capped else baseline + limit), (peak, texec.cgroup_mode())
+    assert peak <= (limit if capped else baseline + limit), (peak, exec_box.executor.cgroup_mode)
     assert all(state(p) in (None, "Z") for p in session(leader))
     assert await gone(session(leader)) == []
     assert (await exec_box.run(["true"], profile=PLAIN)).exit_code == 0  # the machine is fine
@@ -569,7 +599,7 @@ def session(sid: int) -> list[int]:
 REAPER_SCRIPT = """
 import json, os, sys, trio
 from pathlib import Path
-from toolsrv import exec as texec
+from toolsrv.exec import Executor
 from toolsrv.sandbox import Profile
 
 def state(pid):
@@ -580,10 +610,11 @@ def state(pid):
     return data[data.rindex(b")") + 2 :].split()[0].decode()
 
 async def main():
-    texec.init_reaper()
+    executor = Executor(cgroups=sys.argv[5])
+    executor.start()
     cwd, tmp, code = sys.argv[1:4]
     profile = Profile(name="t", unsandboxed=sys.argv[4] == "1")
-    res = await texec.run_tool(
+    res = await executor.run(
         [sys.executable, "-c", code, tmp + "/pids"], stdin=b"", cwd=cwd,
         env={"PATH": "/usr/bin:/bin"}, write_roots=[cwd], tmp_dir=tmp, profile=profile, timeout=2,
     )
@@ -592,7 +623,7 @@ async def main():
     with trio.move_on_after(3):
         while any(state(p) is not None for p in pids):
             await trio.sleep(0.01)
-    print(json.dumps({"mode": texec.cgroup_mode(), "timed_out": res.timed_out,
+    print(json.dumps({"mode": executor.cgroup_mode, "timed_out": res.timed_out,
                       "at_return": at_return, "later": {p: state(p) for p in pids}}))
 
 trio.run(main)
@@ -603,8 +634,7 @@ trio.run(main)
 def test_kill_in_each_cgroup_mode(exec_box: Box, mode: str) -> None:
     """The setsid() escapee and its child die with the call whatever the cgroup setup:
     killed through the cgroup, or without one by the subreaper's sweep. In a fresh process,
-    as each mode is chosen once per process (TOOLSRV_CGROUPS)."""
-    env = {**os.environ, "TOOLSRV_CGROUPS": mode}
+    as a process has one subreaper and one SIGCHLD handler."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -614,8 +644,8 @@ def test_kill_in_each_cgroup_mode(exec_box: Box, mode: str) -> None:
             str(exec_box.tmp),
             textwrap.dedent(SPREAD),
             "1" if ABI == 0 else "0",
+            mode,
         ],
-        env=env,
         capture_output=True,
         timeout=60,
         check=False,
@@ -683,3 +713,14 @@ def test_profile_bad_names(name: str) -> None:
 def test_profile_missing(tmp_path: Path) -> None:
     with pytest.raises(SandboxError, match="no sandbox profile 'nope'"):
         sandbox.load_profile([tmp_path, SHIPPED], "nope")
+
+
+@needs_landlock
+def test_landlock_package_survives_a_stale_errno(exec_box: Box) -> None:
+    """The `landlock` package takes a non-zero ctypes errno for failure: after any failed
+    ctypes call in the same thread, its successful calls would raise. sandbox clears it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.close(-1) == -1 and ctypes.get_errno() != 0
+    prepared = sandbox.prepare(DEFAULT, [str(exec_box.cwd)])
+    assert prepared.ruleset_fd is not None
+    prepared.close()
