@@ -20,6 +20,7 @@ from pathlib import Path
 import trio
 
 from ninep.server import serve_unix
+from toolsrv import keeper
 from toolsrv.exec import Executor
 from toolsrv.registry import Registry
 from toolsrv.server import ToolServer
@@ -40,6 +41,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sandbox-dir", action="append", default=[], help="sandbox/*.toml dirs; earlier win"
     )
     p.add_argument("--tmp-dir", required=True, help="root of the per-session tmp dirs")
+    p.add_argument(
+        "--hide",
+        action="append",
+        default=[],
+        help="a path no tool may see (the daemon's sockets, secrets); repeatable",
+    )
     p.add_argument("--key-file", help="master key file (default: one hex line on stdin)")
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes")
     p.add_argument("--log-level", default="INFO")
@@ -59,7 +66,9 @@ async def amain(args: argparse.Namespace, key: bytes) -> None:
     boxes = [Path(d) for d in args.sandbox_dir]
     tmp_root = Path(args.tmp_dir)
     tmp_root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    executor = Executor(cgroups=os.environ.get("TOOLSRV_CGROUPS", ""))
+    # This server's own socket is hidden from tools too: a tool must not reach it.
+    hide = [*args.hide, args.socket]
+    executor = Executor(cgroups=os.environ.get("TOOLSRV_CGROUPS", ""), hide=hide)
     executor.start()
     try:
         await serve(args, key, tools, boxes, tmp_root, executor)
@@ -113,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s toolsrv %(levelname)s %(name)s: %(message)s",
     )
     key = read_key(args)
+    keeper.split(args.socket)  # from here on, in the server; the keeper never comes back
     try:
         trio.run(amain, args, key)
     finally:

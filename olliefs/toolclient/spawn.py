@@ -61,6 +61,12 @@ class Toolsrv:
 
     async def _ensure(self) -> tuple[str, bytes]:
         async with self._lock:
+            proc = self._proc
+            if proc is not None and proc.returncode is None and not os.path.exists(self._socket):
+                # The server died and its keeper is killing what it left (its socket is
+                # gone first): that takes milliseconds; then a new one is spawned.
+                with trio.move_on_after(5):
+                    await proc.wait()
             if not self.alive:
                 await self._spawn()
             assert self._key is not None
@@ -89,6 +95,12 @@ class Toolsrv:
             str(shipped / "sandbox"),
             "--tmp-dir",
             str(self.tmp_root),
+            # What no tool may reach: the daemon's sockets (run/, toolsrv's own socket
+            # among them) and the API keys of the config env file.
+            "--hide",
+            str(self.paths.run),
+            "--hide",
+            str(self.paths.env_file),
             "--exit-with-stdin",
             "--log-level",
             self.settings.get("OLLIE_TOOLSRV_LOG_LEVEL", "INFO"),

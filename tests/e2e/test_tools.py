@@ -370,18 +370,22 @@ def test_memory_notes_are_written_and_recalled_under_the_sandbox(daemon: Daemon)
 
 
 def toolsrv_pids(daemon: Daemon) -> list[int]:
-    out = []
+    """The daemon's toolsrv servers: each runs below its keeper, the process the daemon
+    spawned (toolsrv(8)); the keeper is left out."""
+    procs: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-        except OSError:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
         if b"toolsrv" in argv and any(str(daemon.home).encode() in a for a in argv):
-            out.append(int(d))
-    return out
+            procs[int(d)] = ppid
+    return [pid for pid, ppid in procs.items() if ppid in procs]
 
 
 def test_a_dead_toolsrv_is_respawned_on_next_use(daemon: Daemon) -> None:

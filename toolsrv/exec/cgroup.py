@@ -57,9 +57,14 @@ class CgroupBackend:
         if self._pool:
             cg = self._pool.pop()
         else:
-            self._n += 1
-            path = os.path.join(self.base, f"{self._me}-{self._n}")
-            os.mkdir(path)
+            while True:  # a name left by another backend of this process is skipped
+                self._n += 1
+                path = os.path.join(self.base, f"{self._me}-{self._n}")
+                try:
+                    os.mkdir(path)
+                    break
+                except FileExistsError:
+                    continue
             name = "tasks" if self.version == 1 else "cgroup.procs"
             try:
                 fd = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CLOEXEC)

@@ -9,18 +9,20 @@ import os
 import resource
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import msgspec
 import trio
 
-from toolsrv import sandbox
+from toolsrv import namespaces, sandbox
 from toolsrv.exec import cgroup
 from toolsrv.exec.capture import Watch, exit_fd, prefill
 from toolsrv.exec.cgroup import Cgroup, CgroupBackend
 from toolsrv.exec.reaper import CallRecord, Reaper
 from toolsrv.exec.spawn import SetupError, Spawner, spawn_in_thread
+from toolsrv.protect import ProtectedScan
 from toolsrv.sandbox import Prepared, Profile
 
 log = logging.getLogger(__name__)
@@ -59,11 +61,18 @@ class Executor:
     `close` undoes it and removes the pooled cgroups.
 
     ``cgroups``: ``off``, ``v1``, ``v2`` or empty for the best available (see
-    `cgroup.detect`); detected on first use.
+    `cgroup.detect`); detected on first use. ``hide``: paths no tool may see (the daemon's
+    sockets and secrets, this server's socket), hidden in each call's mount namespace.
+    The executor also owns the scan of protected entries (`ProtectedScan`) and the empty
+    network namespace shared by calls without network.
     """
 
-    def __init__(self, *, cgroups: str = "") -> None:
+    def __init__(self, *, cgroups: str = "", hide: Sequence[str] = ()) -> None:
         self._want_cgroups = cgroups
+        self.hide = tuple(hide)
+        self.scan = ProtectedScan()
+        self._netns: int | None = None
+        self._netns_known = False
         self._cgroups: CgroupBackend | None = None
         self._cgroups_known = False
         self.reaper = Reaper()
@@ -79,6 +88,17 @@ class Executor:
         self.reaper.stop()
         if self._cgroups is not None:
             self._cgroups.close()
+        if self._netns is not None:
+            os.close(self._netns)
+            self._netns, self._netns_known = None, False
+
+    @property
+    def netns(self) -> int | None:
+        """The empty network namespace of calls without network (made on first use)."""
+        if not self._netns_known:
+            self._netns = namespaces.empty_netns()
+            self._netns_known = True
+        return self._netns
 
     @property
     def cgroups(self) -> CgroupBackend | None:
@@ -136,7 +156,13 @@ class Executor:
         timeout = min(timeout, profile.timeout_cap)
         roots = [*write_roots, tmp_dir, *sandbox.expand_write(profile.write, env)]
         try:
-            prepared = sandbox.prepare(profile, roots)
+            prepared = sandbox.prepare(
+                profile,
+                roots,
+                scan=self.scan,
+                hide=self.hide,
+                netns_fd=None if profile.network else self.netns,
+            )
         except (OSError, ValueError) as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
         try:
