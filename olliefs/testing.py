@@ -236,9 +236,15 @@ class Daemon:
 
 class ToolsrvProc:
     def __init__(
-        self, base: Path, *, tools_dirs: tuple[Path, ...] = (), log_level: str = "DEBUG"
+        self,
+        base: Path,
+        *,
+        tools_dirs: tuple[Path, ...] = (),
+        log_level: str = "DEBUG",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.log_level = log_level
+        self.extra_args = extra_args
         base.mkdir(parents=True, exist_ok=True)
         self.base = base
         self.socket = str(base / "toolsrv.sock")
@@ -258,6 +264,7 @@ class ToolsrvProc:
         # daemon's spawner names them.
         argv += ["--tools-dir", str(shipped_dir() / "tools")]
         argv += ["--sandbox-dir", str(shipped_dir() / "sandbox")]
+        argv += self.extra_args
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
@@ -311,9 +318,13 @@ class ToolsrvProc:
 
 @contextmanager
 def running_toolsrv(
-    base: Path, *, tools_dirs: tuple[Path, ...] = (), log_level: str = "DEBUG"
+    base: Path,
+    *,
+    tools_dirs: tuple[Path, ...] = (),
+    log_level: str = "DEBUG",
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[ToolsrvProc]:
-    t = ToolsrvProc(base, tools_dirs=tools_dirs, log_level=log_level)
+    t = ToolsrvProc(base, tools_dirs=tools_dirs, log_level=log_level, extra_args=extra_args)
     t.start()
     try:
         yield t
