@@ -11,6 +11,7 @@ import ctypes
 import functools
 import logging
 import os
+import select
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -196,10 +197,11 @@ class MountPlan:
     hide_dirs: tuple[str, ...] = ()
     hide_files: tuple[str, ...] = ()
 
-    def apply(self) -> None:
-        unshare(CLONE_NEWNS)
-        # rprivate first: nothing done here may propagate back to the host.
-        mount(None, "/", MS_REC | MS_PRIVATE)
+    def apply(self, *, own_ns: bool = False) -> None:
+        """Make the calling thread's view; ``own_ns``: the thread already has a private
+        mount namespace of its own (`private_mount_ns`, done ahead by spare threads)."""
+        if not own_ns:
+            private_mount_ns()
         # The roots are copied before "/" turns read-only, so the copies keep the flags the
         # host gives them (a read-only mount inside a root stays read-only).
         clones: list[tuple[str, int]] = []
@@ -223,6 +225,38 @@ class MountPlan:
             mount("none", path, flags, "tmpfs", "size=4k,mode=000")
         for path in self.hide_files:
             mount("/dev/null", path, MS_BIND)
+
+
+def private_mount_ns() -> None:
+    """Give the calling thread its own copy of the mount tree, propagating nothing back.
+
+    ~85 µs (the copy of every mount): spare threads do it ahead of their job, while the
+    previous tool runs; `MountWatch` says when such a copy has gone stale.
+    """
+    unshare(CLONE_NEWNS)
+    mount(None, "/", MS_REC | MS_PRIVATE)
+
+
+class MountWatch:
+    """Tells whether the host's mount table changed since the last look (one poll(2) of
+    /proc/self/mountinfo, which reports POLLPRI once per change). A thread that copied the
+    mount tree before a change must not be used: its copy lacks a new mount (which would
+    appear writable to no one, but missing) or pins one the host unmounted."""
+
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLPRI | select.POLLERR)
+        self.changed()
+
+    def changed(self) -> bool:
+        return bool(self._poll.poll(0))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._poll.unregister(self._fd)
+            os.close(self._fd)
+            self._fd = -1
 
 
 def run_in_thread(fn: Callable[[], None]) -> BaseException | None:
@@ -251,8 +285,7 @@ def mount_namespaces() -> bool:
     """
 
     def probe() -> None:
-        unshare(CLONE_NEWNS)
-        mount(None, "/", MS_REC | MS_PRIVATE)
+        private_mount_ns()
         mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
 
     err = run_in_thread(probe)

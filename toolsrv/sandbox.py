@@ -287,19 +287,20 @@ class Prepared:
             os.close(self.ruleset_fd)
             self.ruleset_fd = None
 
-    def enter(self, *, bounding_dropped: bool = False) -> None:
+    def enter(self, *, bounding_dropped: bool = False, own_mount_ns: bool = False) -> None:
         """Restrict the calling thread for good: mounts, network, capabilities, NNP,
         Landlock, seccomp, in that order (each step needs the privileges the next drops).
 
         Only for a thread created to spawn the tool and ending right after: credentials,
         capabilities, no_new_privs, the Landlock domain, the seccomp filter and the
         namespaces are all per-thread on Linux, and a child inherits them from the thread
-        that forks it. The server's other threads are untouched. ``bounding_dropped``: the
-        thread already emptied its bounding set (spare threads do it ahead). Raises OSError
-        when a step fails; nothing may be spawned from the thread then.
+        that forks it. The server's other threads are untouched. ``bounding_dropped``,
+        ``own_mount_ns``: the thread already emptied its bounding set, made its private
+        mount namespace (spare threads do both ahead). Raises OSError when a step fails;
+        nothing may be spawned from the thread then.
         """
         if self.mounts is not None:
-            self.mounts.apply()
+            self.mounts.apply(own_ns=own_mount_ns)
         if self.netns_fd is not None:
             namespaces.setns(self.netns_fd, namespaces.CLONE_NEWNET)
         if not bounding_dropped:

@@ -117,7 +117,7 @@ class Executor:
     @property
     def spawner(self) -> Spawner:
         if self._spawner is None:
-            self._spawner = Spawner(self.cgroups)
+            self._spawner = Spawner(self.cgroups, mount_ns=namespaces.mount_namespaces())
         return self._spawner
 
     async def run(
