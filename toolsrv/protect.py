@@ -4,10 +4,13 @@ the whole tree on every call.
 A tool may write anywhere beneath its write roots, except into a ``.git`` (hooks and config
 run unsandboxed the next time the user runs git there) or an ``.ollie``, at any depth. The
 sandbox makes each of them read-only with a bind mount, so it must know where they are when
-the call starts. Walking a big checkout for that on every call costs tens of milliseconds;
-`ProtectedScan` walks a root once and then only re-lists the directories whose mtime moved
-(an entry created, removed or renamed in a directory changes that directory's mtime): a call
-pays one ``stat`` per directory of the tree, no listing. Figures in toolsrv(8).
+the call starts. Walking a big checkout for that on every call costs tens to hundreds of
+milliseconds. `ProtectedScan` walks a root once, watching each directory with inotify
+(created, removed and renamed entries), and then re-lists only the directories that had
+events: a call with nothing changed costs one non-blocking read. Where inotify watches run
+out (``fs.inotify.max_user_watches``) or its queue overflowed, a tree falls back to
+comparing directory mtimes (an entry created, removed or renamed in a directory changes its
+mtime): one ``stat`` per directory per call, still no listing. Figures in toolsrv(8).
 
 The walk does not follow symlinks nor descend into the protected entries themselves. A
 protected entry that is a symlink is reported as its target, when that target lies beneath
@@ -16,9 +19,12 @@ a write root (elsewhere everything is read-only anyway).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import stat
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,20 +39,92 @@ MAX_DIRS = 200_000
 _FRESH_NS = 100_000_000
 
 
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = os.O_CLOEXEC
+_IN_MODIFY_DIR = 0x100 | 0x200 | 0x40 | 0x80  # CREATE, DELETE, MOVED_FROM, MOVED_TO
+_IN_SELF = 0x400 | 0x800  # DELETE_SELF, MOVE_SELF
+_IN_ONLYDIR = 0x01000000
+_IN_DONT_FOLLOW = 0x02000000
+_IN_IGNORED = 0x8000
+_IN_Q_OVERFLOW = 0x4000
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then the name
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Inotify:
+    """Directory watches for the scan (one fd per ProtectedScan)."""
+
+    def __init__(self) -> None:
+        self.fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+
+    def add(self, path: str) -> int | None:
+        mask = _IN_MODIFY_DIR | _IN_SELF | _IN_ONLYDIR | _IN_DONT_FOLLOW
+        wd = int(_libc.inotify_add_watch(self.fd, os.fsencode(path), mask))
+        return wd if wd >= 0 else None
+
+    def remove(self, wd: int) -> None:
+        _libc.inotify_rm_watch(self.fd, wd)
+
+    def read(self) -> tuple[set[int], bool]:
+        """Watches that had events since the last read, and whether events were lost."""
+        wds: set[int] = set()
+        lost = False
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return wds, lost
+            at = 0
+            while at < len(data):
+                wd, mask, _cookie, size = _EVENT.unpack_from(data, at)
+                at += _EVENT.size + size
+                if mask & _IN_Q_OVERFLOW:
+                    lost = True
+                elif not mask & _IN_IGNORED:
+                    wds.add(wd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 @dataclass(eq=False)
 class _Dir:
     mtime: int  # st_mtime_ns when listed; -1: list again next time
+    wd: int | None = None  # its inotify watch
     subdirs: list[str] = field(default_factory=list)
     protected: list[str] = field(default_factory=list)
 
 
-class ProtectedScan:
-    """The protected entries beneath each root, kept up to date by directory mtimes."""
+@dataclass(eq=False)
+class _Tree:
+    nodes: dict[str, _Dir] = field(default_factory=dict)
+    watched: bool = True  # every directory has a watch: events say what changed
+    dirty: set[str] = field(default_factory=set)  # directories to list again
+    found: list[str] | None = None  # the protected entries, until something changes
 
-    def __init__(self, max_dirs: int = MAX_DIRS) -> None:
+
+class ProtectedScan:
+    """The protected entries beneath each root, kept up to date by inotify, else mtimes."""
+
+    def __init__(self, max_dirs: int = MAX_DIRS, *, inotify: bool = True) -> None:
         self.max_dirs = max_dirs
-        self._trees: dict[str, dict[str, _Dir]] = {}
+        self._trees: dict[str, _Tree] = {}
+        self._paths: dict[int, tuple[_Tree, str]] = {}  # watch -> its directory
+        self._inotify: _Inotify | None = None
+        if inotify:
+            try:
+                self._inotify = _Inotify()
+            except OSError as err:
+                log.debug("no inotify for the protected-name scan: %s", err)
         self.listed = 0  # directories listed so far (tests and benches read it)
+        self.stats = 0  # directories stat'ed to validate a tree (the fallback's cost)
+
+    def close(self) -> None:
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
 
     def find(self, roots: Sequence[str]) -> list[str]:
         """Absolute paths to make read-only for a call with these (real, absolute) roots."""
@@ -59,13 +137,20 @@ class ProtectedScan:
         return found
 
     def _refresh(self, root: str) -> list[str]:
+        self._drain()
         tree = self._trees.get(root)
         if tree is None:
-            tree = self._trees[root] = {}
+            tree = self._trees[root] = _Tree(watched=self._inotify is not None)
             self._walk(tree, root)
+        elif tree.watched:
+            for path in sorted(tree.dirty):  # parents first: a forgotten child is skipped
+                if path in tree.nodes:
+                    self._relist(tree, path)
+            tree.dirty.clear()
         else:
             stale = []
-            for path, node in tree.items():
+            for path, node in tree.nodes.items():
+                self.stats += 1
                 try:
                     st = os.stat(path, follow_symlinks=False)
                     mtime = st.st_mtime_ns if stat.S_ISDIR(st.st_mode) else -2
@@ -74,24 +159,56 @@ class ProtectedScan:
                 if mtime != node.mtime:
                     stale.append(path)
             for path in stale:
-                if path in tree:
+                if path in tree.nodes:
                     self._relist(tree, path)
-        return [os.path.join(d, name) for d, node in tree.items() for name in node.protected]
+        return [os.path.join(d, name) for d, node in tree.nodes.items() for name in node.protected]
 
-    def _relist(self, tree: dict[str, _Dir], path: str) -> None:
-        old = tree[path].subdirs
+    def _drain(self) -> None:
+        """Turn pending inotify events into directories to list again."""
+        if self._inotify is None:
+            return
+        wds, lost = self._inotify.read()
+        if lost:
+            log.info("inotify queue overflowed: protected-name scans check mtimes")
+            for tree in self._trees.values():
+                self._unwatch(tree)
+            return
+        for wd in wds:
+            hit = self._paths.get(wd)
+            if hit is not None:
+                hit[0].dirty.add(hit[1])
+
+    def _unwatch(self, tree: _Tree) -> None:
+        """From now on this tree is checked by mtimes."""
+        tree.watched = False
+        for path, node in tree.nodes.items():
+            if node.wd is not None:
+                self._drop_watch(node.wd, path)
+                node.wd = None
+            node.mtime = -1  # whatever happened meanwhile: list once more
+
+    def _drop_watch(self, wd: int, path: str) -> None:
+        # A directory moved within the tree keeps its watch (watches follow inodes): only
+        # drop it if it still stands for this path.
+        hit = self._paths.get(wd)
+        if hit is not None and hit[1] == path and self._inotify is not None:
+            del self._paths[wd]
+            self._inotify.remove(wd)
+
+    def _relist(self, tree: _Tree, path: str) -> None:
+        old = tree.nodes[path].subdirs
         node = self._list(tree, path)
         if node is None:  # gone, or no longer a directory
-            _forget(tree, path)
+            self._forget(tree, path)
             return
         for name in set(old) - set(node.subdirs):
-            _forget(tree, os.path.join(path, name))
+            self._forget(tree, os.path.join(path, name))
         for name in node.subdirs:
             sub = os.path.join(path, name)
-            if sub not in tree:
+            if sub not in tree.nodes:
                 self._walk(tree, sub)
 
-    def _walk(self, tree: dict[str, _Dir], top: str) -> None:
+    def _walk(self, tree: _Tree, top: str) -> None:
         stack = [top]
         while stack:
             path = stack.pop()
@@ -99,15 +216,28 @@ class ProtectedScan:
             if node is not None:
                 stack.extend(os.path.join(path, name) for name in node.subdirs)
 
-    def _list(self, tree: dict[str, _Dir], path: str) -> _Dir | None:
-        if path not in tree and len(tree) >= self.max_dirs:
+    def _list(self, tree: _Tree, path: str) -> _Dir | None:
+        old = tree.nodes.get(path)
+        if old is None and len(tree.nodes) >= self.max_dirs:
             log.warning("protected-name scan stopped at %d directories (%s)", self.max_dirs, path)
             return None
+        wd = old.wd if old is not None else None
+        if tree.watched and wd is None and self._inotify is not None:
+            # The watch comes before the listing: nothing can change unseen in between.
+            wd = self._inotify.add(path)
+            if wd is None:
+                if ctypes.get_errno() == errno.ENOSPC:
+                    log.warning("inotify watches exhausted: %s is checked by mtimes", path)
+                    self._unwatch(tree)
+                else:
+                    return None  # gone, or not a directory
+            else:
+                self._paths[wd] = (tree, path)
         try:
             st = os.stat(path, follow_symlinks=False)
             if not stat.S_ISDIR(st.st_mode):
                 return None
-            node = _Dir(st.st_mtime_ns)
+            node = _Dir(st.st_mtime_ns, wd if tree.watched else None)
             with os.scandir(path) as entries:
                 for entry in entries:
                     if entry.name in PROTECTED_NAMES:
@@ -119,15 +249,17 @@ class ProtectedScan:
         if time.time_ns() - node.mtime < _FRESH_NS:
             node.mtime = -1
         self.listed += 1
-        tree[path] = node
+        tree.nodes[path] = node
+        tree.found = None
         return node
 
-
-def _forget(tree: dict[str, _Dir], path: str) -> None:
-    tree.pop(path, None)
-    prefix = path + os.sep
-    for p in [p for p in tree if p.startswith(prefix)]:
-        del tree[p]
+    def _forget(self, tree: _Tree, path: str) -> None:
+        tree.found = None
+        prefix = path + os.sep
+        for p in [p for p in tree.nodes if p == path or p.startswith(prefix)]:
+            node = tree.nodes.pop(p)
+            if node.wd is not None:
+                self._drop_watch(node.wd, p)
 
 
 def _target(path: str, roots: Sequence[str]) -> str | None:

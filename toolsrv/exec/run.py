@@ -88,6 +88,7 @@ class Executor:
         self.reaper.stop()
         if self._cgroups is not None:
             self._cgroups.close()
+        self.scan.close()
         if self._netns is not None:
             os.close(self._netns)
             self._netns, self._netns_known = None, False
