@@ -14,7 +14,10 @@ mtime): one ``stat`` per directory per call, still no listing. Figures in toolsr
 
 The walk does not follow symlinks nor descend into the protected entries themselves. A
 protected entry that is a symlink is reported as its target, when that target lies beneath
-a write root (elsewhere everything is read-only anyway).
+a write root (elsewhere everything is read-only anyway). It does not enter filesystems that
+may be slow or hang on a lookup (FUSE, NFS, SMB, 9P, Ceph): a write root on one of them,
+such as the olliefs mount itself (profile ``ollie``), is not scanned at all. Its .git
+entries, if any, are not protected (toolsrv(8)).
 """
 
 from __future__ import annotations
@@ -49,6 +52,25 @@ _IN_IGNORED = 0x8000
 _IN_Q_OVERFLOW = 0x4000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then the name
 _libc = ctypes.CDLL(None, use_errno=True)
+# statfs f_type of filesystems the scan does not enter.
+UNSCANNED_FS = frozenset(
+    {
+        0x65735546,  # FUSE
+        0x6969,  # NFS
+        0xFF534D42,  # CIFS
+        0xFE534D42,  # SMB2
+        0x01021997,  # 9P (v9fs)
+        0x00C36400,  # Ceph
+    }
+)
+
+
+def fs_type(path: str) -> int | None:
+    """statfs(2) f_type of the filesystem holding ``path`` (a long at offset 0 on Linux)."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return int(struct.unpack_from("l", buf.raw)[0])
 
 
 class _Inotify:
@@ -141,6 +163,11 @@ class ProtectedScan:
         tree = self._trees.get(root)
         if tree is None:
             tree = self._trees[root] = _Tree(watched=self._inotify is not None)
+            kind = fs_type(root)
+            if kind in UNSCANNED_FS:
+                log.debug("protected-name scan skips %s (filesystem %#x)", root, kind)
+                tree.found = []
+                return tree.found
             self._walk(tree, root)
         elif tree.watched:
             for path in sorted(tree.dirty):  # parents first: a forgotten child is skipped
@@ -216,10 +243,31 @@ class ProtectedScan:
             if node is not None:
                 stack.extend(os.path.join(path, name) for name in node.subdirs)
 
+    def _enters(self, path: str, dev: int) -> bool:
+        """Whether the walk may list ``path`` (on device ``dev``): not on a filesystem it
+        does not enter. Checked where the device changes, so once per filesystem."""
+        parent = os.path.dirname(path)
+        try:
+            if parent != path and os.stat(parent, follow_symlinks=False).st_dev == dev:
+                return True
+        except OSError:
+            pass
+        kind = fs_type(path)
+        if kind in UNSCANNED_FS:
+            log.debug("protected-name scan does not enter %s (filesystem %#x)", path, kind)
+            return False
+        return True
+
     def _list(self, tree: _Tree, path: str) -> _Dir | None:
         old = tree.nodes.get(path)
         if old is None and len(tree.nodes) >= self.max_dirs:
             log.warning("protected-name scan stopped at %d directories (%s)", self.max_dirs, path)
+            return None
+        try:
+            dev = os.stat(path, follow_symlinks=False).st_dev
+        except OSError:
+            return None
+        if old is None and not self._enters(path, dev):
             return None
         wd = old.wd if old is not None else None
         if tree.watched and wd is None and self._inotify is not None:

@@ -341,7 +341,7 @@ def _beneath(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _clean_roots(roots: Sequence[str]) -> list[str]:
+def clean_roots(roots: Sequence[str]) -> list[str]:
     """Real paths of the roots that exist, without those inside another root.
 
     A root inside another needs no rule nor mount of its own, and must not get one: a tool
@@ -364,7 +364,7 @@ def prepare(
     *,
     abi: int | None = None,
     mount_ns: bool | None = None,
-    scan: ProtectedScan | None = None,
+    protect: Sequence[str] | None = None,
     hide: Sequence[str] = (),
     netns_fd: int | None = None,
     use_seccomp: bool = True,
@@ -378,7 +378,8 @@ def prepare(
 
     With mount namespaces (``mount_ns``, default: `namespaces.mount_namespaces()`), the rest
     of the tree is read-only at the mount level, the protected entries beneath the roots
-    (found by ``scan``, a fresh full scan if None) are read-only binds, and ``hide``
+    (``protect``, as `ProtectedScan.find` gives them for `clean_roots`; a fresh full scan if
+    None) are read-only binds, and ``hide``
     (existing paths not covering a root) is hidden. Without them only the protected entries
     at the top of a root are kept, by Landlock rules per top-level entry: new top-level
     files or directories cannot then be created (or top-level entries removed or renamed)
@@ -404,12 +405,13 @@ def prepare(
         raise SandboxError(_refusal(profile.name))
     if not profile.network and abi < 4 and netns is None:
         warn_once("tcp", f"Landlock ABI {abi} < 4 and no network namespace: TCP is not denied")
-    roots = _clean_roots(write_roots)
+    roots = clean_roots(write_roots)
     use_ns = namespaces.mount_namespaces() if mount_ns is None else mount_ns
     mounts = None
     tops: set[str] = set()
     if use_ns:
-        protect = (scan or ProtectedScan()).find(roots)
+        if protect is None:
+            protect = ProtectedScan(inotify=False).find(roots)
         shown = [h for h in hide if not any(_beneath(r, os.path.realpath(h)) for r in roots)]
         dirs, files = namespaces.split_hidden(shown)
         mounts = namespaces.MountPlan(tuple(roots), tuple(protect), dirs, files)

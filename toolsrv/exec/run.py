@@ -71,6 +71,7 @@ class Executor:
         self._want_cgroups = cgroups
         self.hide = tuple(hide)
         self.scan = ProtectedScan()
+        self._scan_lock = trio.Lock()  # one scan at a time (ProtectedScan is not thread-safe)
         self._netns: int | None = None
         self._netns_known = False
         self._cgroups: CgroupBackend | None = None
@@ -156,11 +157,16 @@ class Executor:
             return ExecResult(error="empty command")
         timeout = min(timeout, profile.timeout_cap)
         roots = [*write_roots, tmp_dir, *sandbox.expand_write(profile.write, env)]
+        protect = None
+        if not profile.unsandboxed and namespaces.mount_namespaces():
+            # In a worker thread: a root on a slow filesystem must not stall the server.
+            async with self._scan_lock:
+                protect = await trio.to_thread.run_sync(self.scan.find, sandbox.clean_roots(roots))
         try:
             prepared = sandbox.prepare(
                 profile,
                 roots,
-                scan=self.scan,
+                protect=protect,
                 hide=self.hide,
                 netns_fd=None if profile.network else self.netns,
             )
