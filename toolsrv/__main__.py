@@ -6,6 +6,10 @@ olliefs spawns it with the master key on stdin (one hex line) and waits for ``re
 stdout; a remote toolsrv reads the key from ``--key-file``. It serves until SIGTERM/SIGINT
 or until stdin reaches EOF when ``--exit-with-stdin`` is given (the spawning daemon died:
 a tool server without its daemon has nobody to serve).
+
+Right after reading the key the process forks (`toolsrv.keeper`): the parent, which the
+spawner waits for, only keeps the server; the child serves. When the server dies, however,
+the keeper kills every process it left, so no tool outlives its toolsrv.
 """
 
 from __future__ import annotations
