@@ -38,8 +38,8 @@ import trio
 from ninep import NinePError
 from ninep.codec import DMDIR, OREAD, OTRUNC, QTDIR, QTFILE, Qid, Stat
 from ninep.server import BaseFileSystem
-from toolsrv import exec as texec
 from toolsrv import sandbox
+from toolsrv.exec import ExecResult, Executor
 from toolsrv.protocol import (
     AGENT_ID_RE,
     CALL_ENV_KEYS,
@@ -127,9 +127,11 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         sandbox_dirs: list[Path],
         tmp_root: Path,
         nursery: trio.Nursery,
+        executor: Executor,
         initial_tools: tuple[str, ...] = (),
     ) -> None:
         self.key = key
+        self.executor = executor
         self.registry = registry
         self.sandbox_dirs = sandbox_dirs
         self.tmp_root = tmp_root
@@ -463,7 +465,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         tmp = self.tmp_dir(req, proc.agent)
         timeout = min(info.timeout, profile.timeout_cap)
         try:
-            res = await texec.run_tool(
+            res = await self.executor.run(
                 [info.path],
                 stdin=_json.encode(req.args),
                 cwd=req.cwd,
@@ -491,7 +493,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         node.agent.procs.pop(node.proc.n, None)
 
 
-def render_result(res: texec.ExecResult, timeout: float) -> CallResult:
+def render_result(res: ExecResult, timeout: float) -> CallResult:
     """One text for the model: stdout, then what went wrong, said plainly."""
     out = res.stdout.decode(errors="replace")
     err = res.stderr.decode(errors="replace")
