@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 
@@ -80,10 +81,20 @@ def wait_blocked(root: int, n: int = 1) -> list[int]:
             time.sleep(0.005)
 
 
+def state(pid: int) -> str:
+    """The process's state letter (R, S, D, T, Z...), "" when there is no such process."""
+    stat = _proc(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[1].split()[0] if stat else ""
+
+
 def gone(pid: int) -> bool:
     """Exited: no such process, or a zombie nobody reaped yet (its orphan's reaper)."""
-    state = _proc(f"/proc/{pid}/stat")
-    return not state or state.rsplit(")", 1)[1].split()[0] == "Z"
+    return state(pid) in ("", "Z")
+
+
+def out_of_the_read(pid: int) -> bool:
+    """Stopped (the read returned and the stop took effect) or exited."""
+    return state(pid) in ("", "Z", "T", "t")
 
 
 def drain(proc: subprocess.Popen[bytes], want: int) -> bytes:
@@ -99,25 +110,35 @@ def drain(proc: subprocess.Popen[bytes], want: int) -> bytes:
 
 
 def start_reader(daemon: Daemon, argv: list[str], rel: str) -> tuple[subprocess.Popen[bytes], int]:
-    """Start ``argv`` (``{}`` stands for the path of ``rel``) in its own process group, as a
-    shell starts a job, and return it once a process of it is blocked reading ``rel``;
-    also returns that reader's pid."""
+    """Start ``argv`` (``{}`` stands for the path of ``rel``) as a shell starts a job (a
+    process group of its own in our session, so that a stop signal really stops it), and
+    return it once a process of it is blocked reading ``rel``, with that reader's pid."""
     want = len(daemon.snapshot(rel).encode())
     path = str(daemon.p(rel))
     proc = subprocess.Popen(
-        [path if a == "{}" else a for a in argv], stdout=subprocess.PIPE, start_new_session=True
+        [path if a == "{}" else a for a in argv], stdout=subprocess.PIPE, process_group=0
     )
     drain(proc, want)
     (reader,) = wait_blocked(proc.pid)
     return proc, reader
 
 
-def end(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.stdout is not None
-    proc.stdout.close()
+def end(daemon: Daemon, proc: subprocess.Popen[bytes]) -> None:
+    """Kill what is left of a reader's job. If the read holds it even against SIGKILL (the
+    defect these tests are about), the daemon is stopped, which ends every read with EOF,
+    so that a failing test fails instead of hanging."""
+    for pid in family(proc.pid):
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        daemon.stop()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 # The reader is the process that opened the file, or one that only inherited it: the
@@ -142,7 +163,7 @@ def signal_ends_reader(daemon: Daemon, argv: list[str], rel: str, sig: int) -> N
             assert code == -sig
         daemon.wait_for(lambda: gone(reader))
     finally:
-        end(proc)
+        end(daemon, proc)
 
 
 # ---- wake-ups ------------------------------------------------------------------------
@@ -159,7 +180,7 @@ def test_stream_wakes_on_new_text(daemon: Daemon) -> None:
             while b"assistant: echo: ping\n" not in seen:
                 seen += os.read(proc.stdout.fileno(), 65536)
     finally:
-        end(proc)
+        end(daemon, proc)
 
 
 # ---- signals -------------------------------------------------------------------------
@@ -199,10 +220,11 @@ def test_caught_sigint_interrupts_the_read(daemon: Daemon) -> None:
     try:
         assert reader == proc.pid
         proc.send_signal(signal.SIGINT)
-        assert proc.stdout.readline() == b"interrupted\n"
+        with deadline(20):
+            assert proc.stdout.readline() == b"interrupted\n"
         assert proc.wait(timeout=20) == 0
     finally:
-        end(proc)
+        end(daemon, proc)
 
 
 THREADED = """
@@ -227,28 +249,41 @@ def test_threads_of_a_reader_are_released(daemon: Daemon, sig: int) -> None:
     daemon.new(name="mt")
     n = 4
     argv = [sys.executable, "-c", THREADED, str(daemon.p("s/mt/statewait")), str(n)]
-    proc = subprocess.Popen(argv, start_new_session=True)
+    proc = subprocess.Popen(argv, process_group=0)
     try:
         wait_blocked(proc.pid, n)
         os.killpg(proc.pid, sig)
         assert proc.wait(timeout=20) == -sig
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        end(daemon, proc)
 
 
-def test_ctrl_z_then_fg_does_not_end_a_blocked_cat(daemon: Daemon) -> None:
+# A reader that takes EINTR as an error, as stdio programs (jq) do; cat retries.
+STRICT = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open(sys.argv[1], os.O_RDONLY)
+buf = ctypes.create_string_buffer(65536)
+while (n := libc.read(fd, buf, 65536)) > 0:
+    os.write(1, buf.raw[:n])
+sys.exit(f"read: {os.strerror(ctypes.get_errno())}" if n else 0)
+"""
+
+
+@pytest.mark.parametrize("reader", ["cat", "strict"])
+def test_ctrl_z_then_fg_does_not_end_a_blocked_read(daemon: Daemon, reader: str) -> None:
     """SIGTSTP on a blocked ``cat stream`` must not fail its read (FUSE cannot restart a
-    read after a stop): after SIGCONT the same cat goes on and gets the next bytes."""
+    read after a stop): after SIGCONT the same read goes on and gets the next bytes."""
     daemon.new(name="tstp")
-    proc, reader = start_reader(daemon, ["cat", "{}"], "s/tstp/stream")
+    argv = ["cat", "{}"] if reader == "cat" else [sys.executable, "-c", STRICT, "{}"]
+    proc, reader_pid = start_reader(daemon, argv, "s/tstp/stream")
     assert proc.stdout is not None
     try:
         os.killpg(proc.pid, signal.SIGTSTP)
-        # the daemon got the interrupt, looked, and chose to wait on
-        needle = f"blocked read of thread {reader}: stopped"
-        daemon.wait_for(lambda: needle in daemon.stderr())
+        # the daemon got the interrupt, looked, and chose to wait on (or ended the read)
+        needle = f"blocked read of thread {reader_pid}: stopped"
+        daemon.wait_for(lambda: needle in daemon.stderr() or out_of_the_read(reader_pid))
+        assert not out_of_the_read(reader_pid), "Ctrl-Z ended the read"
         os.killpg(proc.pid, signal.SIGCONT)
         daemon.prompt("tstp", "after the stop")
         seen = b""
@@ -259,7 +294,7 @@ def test_ctrl_z_then_fg_does_not_end_a_blocked_cat(daemon: Daemon) -> None:
                 seen += chunk
         assert proc.poll() is None
     finally:
-        end(proc)
+        end(daemon, proc)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
@@ -271,13 +306,14 @@ def test_a_stopped_blocked_reader_can_still_be_killed(daemon: Daemon, sig: int) 
     try:
         os.killpg(proc.pid, signal.SIGTSTP)
         needle = f"blocked read of thread {reader}: stopped"
-        daemon.wait_for(lambda: needle in daemon.stderr())
+        daemon.wait_for(lambda: needle in daemon.stderr() or out_of_the_read(reader))
+        assert not out_of_the_read(reader), "the stop ended the read"
         os.killpg(proc.pid, sig)
         os.killpg(proc.pid, signal.SIGCONT)  # as a shell's ``kill %1`` does
         proc.wait(timeout=20)
         daemon.wait_for(lambda: gone(reader))
     finally:
-        end(proc)
+        end(daemon, proc)
 
 
 @pytest.mark.parametrize(
@@ -396,3 +432,25 @@ def test_stream_tail_and_size_polling_see_the_same_bytes(daemon: Daemon) -> None
             proc.wait()
             assert proc.stdout is not None
             proc.stdout.close()
+
+
+def test_the_daemon_refuses_a_pyfuse3_that_drops_interrupts(tmp_path: Path) -> None:
+    """Without the interrupt patch a blocked reader could not be killed: no mount, and a
+    one-line error that says how to get the right pyfuse3."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    code = (
+        "import sys, pyfuse3\n"
+        "del pyfuse3.current_request  # what a stock pyfuse3 lacks\n"
+        "from olliefs.cli import main\n"
+        "sys.exit(main(['mount', '-f', sys.argv[1]]))\n"
+    )
+    env = {**os.environ, "OLLIE_HOME": str(tmp_path / "home")}
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(mnt)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("ollie: pyfuse3 ") and "lacks the interrupt patch" in last
+    assert f"bash .ci/pyfuse3/build.sh {sys.prefix}" in last
+    assert not os.path.ismount(mnt)
