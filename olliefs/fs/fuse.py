@@ -19,6 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 
 from olliefs import errors
+from olliefs.fs import interrupt
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,9 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return await self._handle(fh).read(off, size)
+        # The request (caller's thread, FUSE_INTERRUPT event) for a read that blocks.
+        with interrupt.serving(pyfuse3.current_request.get()):
+            return await self._handle(fh).read(off, size)
 
     @translated
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -17,10 +17,9 @@ Kinds:
 * ``StateWait`` one value per open: blocks until the state differs from the one at open.
 
 Blocking reads wait on the log's parking lot and wake in the same scheduler tick as the
-data. Because pyfuse3 does not deliver FUSE INTERRUPT, a waiting read also wakes every
-``INTERRUPT_CHECK`` seconds to look at the reader's pending signals
-(``olliefs.fs.interrupt``) and fails with EINTR when the reader is being signalled: that
-tick is only for Ctrl-C, never for data.
+data, or when the frontend says the request was interrupted by a signal
+(``olliefs.fs.interrupt``), and then fail with EINTR if the signal needs the reader back.
+An idle blocked read never wakes.
 """
 
 from __future__ import annotations
@@ -34,13 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import trio
-
-from olliefs.errors import Denied, Interrupted, InvalidRequest, NotFound, TooMany, WouldBlock
-from olliefs.fs.interrupt import signal_pending
+from olliefs.errors import Denied, InvalidRequest, NotFound, TooMany, WouldBlock
+from olliefs.fs import interrupt
 from olliefs.live import GrowingLog, StateCell
 
-INTERRUPT_CHECK = 0.1
 STARTED = time.time()  # the mtime of what never changes while the daemon runs
 
 
@@ -431,12 +427,7 @@ async def wait_until(
         raise TooMany("too many blocked readers")
     how.waiters.count += 1
     try:
-        while not ready():
-            with trio.move_on_after(INTERRUPT_CHECK):
-                await park()
-                continue
-            if signal_pending(how.pid):
-                raise Interrupted("interrupted")
+        await interrupt.wait(ready, park)
     finally:
         how.waiters.count -= 1
 
