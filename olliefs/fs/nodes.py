@@ -36,7 +36,15 @@ from typing import Literal
 
 import trio
 
-from olliefs.errors import Denied, Interrupted, InvalidRequest, NotFound, TooMany, WouldBlock
+from olliefs.errors import (
+    Denied,
+    Interrupted,
+    InvalidRequest,
+    NotFound,
+    NotPermitted,
+    TooMany,
+    WouldBlock,
+)
 from olliefs.fs.interrupt import signal_pending
 from olliefs.live import GrowingLog, StateCell
 
@@ -58,6 +66,7 @@ class Open:
     pid: int
     nonblock: bool
     waiters: Waiters
+    flags: int = 0  # the open(2) flags: access mode, O_APPEND, O_TRUNC, O_EXCL
 
 
 class Node:
@@ -82,8 +91,19 @@ class Node:
     def mtime(self) -> float:
         return time.time()
 
+    def mtime_ns(self) -> int:
+        """The mtime to report, exact where the node has one in nanoseconds (a file on
+        disk: rsync and tar compare what they set with what they read back)."""
+        return int(self.mtime() * 1e9)
+
     def valid(self) -> bool:
         return True
+
+    async def chmod(self, mode: int) -> None:
+        raise NotPermitted("the mode of this file is fixed")
+
+    async def set_times(self, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """``utimes``/``touch``: ignored where the node has no times of its own."""
 
     async def prepare(self) -> None:
         """Bring what this node shows up to date before it is looked into or opened.
@@ -106,6 +126,9 @@ class Handle:
     def truncate(self, size: int) -> None:
         """``ftruncate`` on this handle; only prompt text can be cut."""
 
+    async def fsync(self, datasync: bool) -> None:
+        pass
+
     def release(self) -> None:
         pass
 
@@ -123,6 +146,9 @@ class File(Node):
 
     def open(self, how: Open) -> Handle:
         raise NotImplementedError
+
+    async def truncate(self, size: int) -> None:
+        """``truncate(2)`` by path on a writable file: nothing to cut in a control file."""
 
 
 class Dir(Node):
@@ -150,6 +176,13 @@ class Dir(Node):
 
     async def rename(self, old: str, new: str) -> None:
         raise Denied(f"cannot rename {old}")
+
+    async def create(self, name: str, mode: int, how: Open) -> tuple[Node, Handle]:
+        """``open(O_CREAT)`` of a new name: the new node and a handle opened as ``how``."""
+        raise Denied(f"cannot create {name} here")
+
+    async def mkdir(self, name: str, mode: int) -> Node:
+        raise Denied(f"cannot make a directory {name} here")
 
 
 # ---- read-only text ------------------------------------------------------------------
