@@ -593,8 +593,13 @@ class Generated(Text):
     Made once, in the declaration, so that it remembers the text it last rendered.
     """
 
-    def __init__(self, key: Hashable, render: Callable[[], str]) -> None:
-        super().__init__(key, self._render)
+    def __init__(
+        self,
+        key: Hashable,
+        render: Callable[[], str],
+        refresh: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(key, self._render, refresh=refresh)
         self._inner = render
         self._last: str | None = None
         self._since = time.time_ns()

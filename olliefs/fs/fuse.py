@@ -309,7 +309,6 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self._dir(parent_inode)
-        await parent.prepare()
         node, handle = await parent.create(self._name(name), mode, self._how(flags, ctx))
         # The kernel counts a create reply as a lookup of the new inode.
         attrs = self._entry(node)
@@ -321,7 +320,6 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         parent = self._dir(parent_inode)
-        await parent.prepare()
         return self._entry(await parent.mkdir(self._name(name), mode))
 
     @translated

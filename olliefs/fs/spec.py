@@ -227,8 +227,6 @@ def disk_dirs(reg: Registry) -> dict[str, Node]:
         )
         await reg.refresh_tools(0.0 if names else CATALOGUE_MAX_AGE, probe)
 
-    tools_idx = Generated(("t", "idx"), reg.tools_idx_text)
-
     def scripts(kind: str) -> Folder:
         return Folder(
             (kind,),
@@ -237,17 +235,20 @@ def disk_dirs(reg: Registry) -> dict[str, Node]:
             Rules(executable=True),
         )
 
+    tools = Folder(
+        ("t",),
+        p.config / "tools",
+        [shipped / "tools"],
+        Rules(writable=True, new_mode=0o755),
+        extra=lambda: {"idx": tools_idx},
+        refresh=tools_changed,
+    )
+    # Opening idx brings the catalogue up to date as a lookup in t/ does.
+    tools_idx = Generated(("t", "idx"), reg.tools_idx_text, refresh=tools.prepare)
     return {
         "m": Folder(("m",), p.memory, rules=data),
         "tmp": Folder(("tmp",), p.scratch, rules=Rules(writable=True, follow=False, tree=True)),
-        "t": Folder(
-            ("t",),
-            p.config / "tools",
-            [shipped / "tools"],
-            Rules(writable=True, new_mode=0o755),
-            extra=lambda: {"idx": tools_idx},
-            refresh=tools_changed,
-        ),
+        "t": tools,
         "p": Folder(("p",), p.config / "prompts", [shipped / "prompts"]),
         "sk": Skills(("sk",), p.config / "skills"),
         "tr": Folder(
