@@ -21,7 +21,7 @@ Node kinds
     Only the top folder is ever changed; a file below it is read-only, and a file of the
     same name in the top folder hides it (removing that file shows it again).
 
-``DiskFile``
+``FolderFile``
     A file of a ``Folder``. Opening it opens the backing file (``O_APPEND`` and ``O_TRUNC``
     passed on, so an appender never clobbers a tool appending at the same time).
 
@@ -181,7 +181,7 @@ class Folder(Dir):
         self.born = time.time()
         # Names changed through the mount since the last refresh (t/: toolsrv rescans).
         self.changed: set[str] = set()
-        self._live: weakref.WeakValueDictionary[str, DiskFile | Folder] = (
+        self._live: weakref.WeakValueDictionary[str, FolderFile | Folder] = (
             weakref.WeakValueDictionary()
         )
 
@@ -248,10 +248,10 @@ class Folder(Dir):
                     out[name] = stat.S_ISDIR(st.st_mode)
         return out
 
-    def _node(self, name: str, is_dir: bool) -> DiskFile | Folder:
+    def _node(self, name: str, is_dir: bool) -> FolderFile | Folder:
         node = self._live.get(name)
         if node is None or isinstance(node, Folder) != is_dir:
-            node = Folder._sub(self, name) if is_dir else DiskFile(self, name)
+            node = Folder._sub(self, name) if is_dir else FolderFile(self, name)
             self._live[name] = node
         return node
 
@@ -372,7 +372,7 @@ class Folder(Dir):
                 want = self.rules.new_mode if self.rules.new_mode is not None else mode
                 os.fchmod(fd, stat.S_IMODE(want))
         node = self._node(name, False)
-        assert isinstance(node, DiskFile)
+        assert isinstance(node, FolderFile)
         self.touched(name)
         return node, node.handle(fd, dirty=True)
 
@@ -426,7 +426,7 @@ class FileHandle(Handle):
     the kernel asks (``O_APPEND`` descriptors append whatever the offset, as Linux's
     ``pwrite`` does on them)."""
 
-    def __init__(self, node: DiskFile, fd: int, dirty: bool) -> None:
+    def __init__(self, node: FolderFile, fd: int, dirty: bool) -> None:
         self.node = node
         self.fd = fd
         self.dirty = dirty
@@ -461,7 +461,7 @@ class FileHandle(Handle):
         os.close(self.fd)
 
 
-class DiskFile(File):
+class FolderFile(File):
     """A regular file of a ``Folder`` (see the module docstring for its identity)."""
 
     direct_io = False  # the page cache works: mmap, exec of u/ scripts, fast cp
@@ -922,9 +922,9 @@ def not_partial(name: str) -> bool:
 
 __all__ = [
     "DiskError",
-    "DiskFile",
     "FileHandle",
     "Folder",
+    "FolderFile",
     "Generated",
     "Rules",
     "Skill",
