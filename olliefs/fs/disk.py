@@ -315,7 +315,8 @@ class Folder(Dir):
         root = self
         while root.parent is not None:
             root = root.parent
-        root.changed.add(name)
+        if root.refresh is not None:  # nobody else asks: keep nothing
+            root.changed.add(name)
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         extra = self._extra()
@@ -565,21 +566,40 @@ class FolderFile(File):
     async def chmod(self, mode: int) -> None:
         path = self._own("chmod")
         with _disk(f"chmod {self.name}"):
-            os.chmod(path, mode)
+            if self.folder.rules.follow:
+                os.chmod(path, mode)
+            else:
+                _chmod_nofollow(path, mode)
         assert self.name is not None
         self.folder.touched(self.name)
 
     async def set_times(self, atime_ns: int | None, mtime_ns: int | None) -> None:
         path = self._own("utimes")
         with _disk(f"utimes {self.name}"):
-            _utime(path, atime_ns, mtime_ns)
+            _utime(path, atime_ns, mtime_ns, follow=self.folder.rules.follow)
 
 
-def _utime(path: Path, atime_ns: int | None, mtime_ns: int | None) -> None:
-    st = os.stat(path)
+def _chmod_nofollow(path: Path, mode: int) -> None:
+    """chmod of the file itself even if a tool swapped it for a symlink since it was
+    looked up (Linux has no lchmod): through a descriptor opened with O_NOFOLLOW."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except PermissionError:  # not readable by its owner (0200): no symlink can be there
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP)) from None
+        os.chmod(path, mode)
+        return
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _utime(path: Path, atime_ns: int | None, mtime_ns: int | None, follow: bool = True) -> None:
+    st = os.stat(path) if follow else os.lstat(path)
     a = st.st_atime_ns if atime_ns is None else atime_ns
     m = st.st_mtime_ns if mtime_ns is None else mtime_ns
-    os.utime(path, ns=(a, m))
+    os.utime(path, ns=(a, m), follow_symlinks=follow)
 
 
 # ---- generated files (idx) -----------------------------------------------------------
@@ -647,6 +667,8 @@ def front_matter(data: bytes) -> dict[str, str]:
     fields: dict[str, str] = {}
     block: str | None = None
     for line in lines[1:end]:
+        if not line.strip():
+            continue  # a blank line inside a block scalar does not end it
         if line[:1] in (" ", "\t"):
             if block is not None:
                 fields[block] = (fields[block] + " " + line.strip()).strip()
