@@ -13,6 +13,7 @@ import errno
 import functools
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -91,10 +92,8 @@ class Operations(pyfuse3.Operations):
         a.st_ino = self._inode(node)
         a.st_mode = node.mode
         a.st_nlink = node.nlink() if isinstance(node, Dir) else 1
-        size, mtime = node.stat()
-        a.st_size = size
+        a.st_size, ns = node.stat()
         a.st_uid, a.st_gid = self.uid, self.gid
-        ns = int(mtime * 1e9)
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
         a.st_blksize = 4096
         a.st_blocks = (a.st_size + 511) // 512
@@ -176,15 +175,27 @@ class Operations(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         node = self._node(inode)
-        if fields.update_mode or fields.update_uid or fields.update_gid:
+        # Giving a file to its owner again is what cp -p, tar and sed -i do: a no-op.
+        if (fields.update_uid and attr.st_uid != self.uid) or (
+            fields.update_gid and attr.st_gid != self.gid
+        ):
             raise pyfuse3.FUSEError(errno.EPERM)
         if fields.update_size:
             # O_TRUNC on a control or prompt file (``echo x > ctl``): nothing to cut;
-            # ftruncate on an open prompt cuts its unsubmitted text.
+            # ftruncate on an open prompt cuts its unsubmitted text; a file on disk is cut.
             if not (isinstance(node, File) and node.writable):
                 raise pyfuse3.FUSEError(errno.EACCES)
             if fh is not None:
                 self._handle(fh).truncate(attr.st_size)
+            else:
+                await node.truncate(attr.st_size)
+        if fields.update_mode:
+            await node.chmod(stat.S_IMODE(attr.st_mode))
+        if fields.update_atime or fields.update_mtime:
+            await node.set_times(
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None,
+            )
         return self._attrs(node)
 
     @translated
@@ -248,14 +259,12 @@ class Operations(pyfuse3.Operations):
         if acc in (os.O_RDONLY, os.O_RDWR) and not node.readable and ctx.uid != 0:
             raise pyfuse3.FUSEError(errno.EACCES)
         await node.prepare()
-        how = Open(
-            pid=ctx.pid,
-            nonblock=bool(flags & os.O_NONBLOCK),
-            waiters=self.waiters,
-            trunc=bool(flags & os.O_TRUNC),
-        )
-        fh = self._fh(node.open(how))
+        fh = self._fh(node.open(self._how(flags, ctx)))
         return pyfuse3.FileInfo(fh=fh, direct_io=node.direct_io, keep_cache=False)
+
+    def _how(self, flags: int, ctx: pyfuse3.RequestContext) -> Open:
+        nonblock = bool(flags & os.O_NONBLOCK)
+        return Open(pid=ctx.pid, nonblock=nonblock, waiters=self.waiters, flags=flags)
 
     @translated
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -270,6 +279,10 @@ class Operations(pyfuse3.Operations):
     @translated
     async def flush(self, fh: int) -> None:
         await self._handle(fh).flush()
+
+    @translated
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self._handle(fh).fsync(datasync)
 
     @translated
     async def release(self, fh: int) -> None:
@@ -299,19 +312,31 @@ class Operations(pyfuse3.Operations):
     ) -> None:
         if parent_inode_old != parent_inode_new:
             raise pyfuse3.FUSEError(errno.EXDEV)
-        await self._dir(parent_inode_old).rename(self._name(name_old), self._name(name_new))
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        parent = self._dir(parent_inode_old)
+        old, new = self._name(name_old), self._name(name_new)
+        if flags & pyfuse3.RENAME_NOREPLACE and parent.lookup(new) is not None:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        await parent.rename(old, new)
 
     @translated
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        raise pyfuse3.FUSEError(errno.EACCES)
+        parent = self._dir(parent_inode)
+        node, handle = await parent.create(self._name(name), mode, self._how(flags, ctx))
+        # The kernel counts a create reply as a lookup of the new inode.
+        attrs = self._entry(node)
+        direct_io = isinstance(node, File) and node.direct_io
+        return pyfuse3.FileInfo(fh=self._fh(handle), direct_io=direct_io, keep_cache=False), attrs
 
     @translated
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        raise pyfuse3.FUSEError(errno.EACCES)
+        parent = self._dir(parent_inode)
+        return self._entry(await parent.mkdir(self._name(name), mode))
 
     @translated
     async def mknod(

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from olliefs.errors import Denied, InvalidRequest, NotFound, TooMany, WouldBlock
+from olliefs.errors import (
+    Denied,
+    InvalidRequest,
+    NotFound,
+    NotPermitted,
+    TooMany,
+    WouldBlock,
+)
 from olliefs.fs import interrupt
 from olliefs.live import GrowingLog, StateCell
 
@@ -66,6 +73,10 @@ class Stamp:
         return self.mtime
 
 
+def _ns(t: float) -> int:
+    return int(t * 1e9)
+
+
 @dataclass
 class Waiters:
     """Bounds the number of reads blocked at once (each holds a FUSE worker)."""
@@ -81,7 +92,7 @@ class Open:
     pid: int
     nonblock: bool
     waiters: Waiters
-    trunc: bool = False
+    flags: int = 0  # the open(2) flags: access mode, O_APPEND, O_TRUNC, O_EXCL
 
 
 class Node:
@@ -106,12 +117,23 @@ class Node:
     def mtime(self) -> float:
         return STARTED
 
-    def stat(self) -> tuple[int, float]:
-        """Size and mtime together (a synthetic file renders once for both)."""
-        return self.size(), self.mtime()
+    def stat(self) -> tuple[int, int]:
+        """Size and mtime in nanoseconds together (a synthetic file renders once)."""
+        return self.size(), self.mtime_ns()
+
+    def mtime_ns(self) -> int:
+        """The mtime to report, exact where the node has one in nanoseconds (a file on
+        disk: rsync and tar compare what they set with what they read back)."""
+        return int(self.mtime() * 1e9)
 
     def valid(self) -> bool:
         return True
+
+    async def chmod(self, mode: int) -> None:
+        raise NotPermitted("the mode of this file is fixed")
+
+    async def set_times(self, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """``utimes``/``touch``: ignored where the node has no times of its own."""
 
     async def prepare(self) -> None:
         """Bring what this node shows up to date before it is looked into or opened.
@@ -134,6 +156,9 @@ class Handle:
     def truncate(self, size: int) -> None:
         """``ftruncate`` on this handle; only prompt text can be cut."""
 
+    async def fsync(self, datasync: bool) -> None:
+        pass
+
     def release(self) -> None:
         pass
 
@@ -151,6 +176,9 @@ class File(Node):
 
     def open(self, how: Open) -> Handle:
         raise NotImplementedError
+
+    async def truncate(self, size: int) -> None:
+        """``truncate(2)`` by path on a writable file: nothing to cut in a control file."""
 
 
 class Dir(Node):
@@ -183,6 +211,13 @@ class Dir(Node):
     async def rename(self, old: str, new: str) -> None:
         raise Denied(f"cannot rename {old}")
 
+    async def create(self, name: str, mode: int, how: Open) -> tuple[Node, Handle]:
+        """``open(O_CREAT)`` of a new name: the new node and a handle opened as ``how``."""
+        raise Denied(f"cannot create {name} here")
+
+    async def mkdir(self, name: str, mode: int) -> Node:
+        raise Denied(f"cannot make a directory {name} here")
+
 
 # ---- read-only text ------------------------------------------------------------------
 
@@ -206,9 +241,9 @@ class Text(File):
     def size(self) -> int:
         return len(self.render().encode())
 
-    def stat(self) -> tuple[int, float]:
+    def stat(self) -> tuple[int, int]:
         data = self.render().encode()
-        return len(data), self.stamp.seen(data) if self.stamp else STARTED
+        return len(data), _ns(self.stamp.seen(data) if self.stamp else STARTED)
 
     def valid(self) -> bool:
         return self.live()
@@ -272,11 +307,11 @@ class Control(File):
     def size(self) -> int:
         return len(self.render().encode()) if self.render else 0
 
-    def stat(self) -> tuple[int, float]:
+    def stat(self) -> tuple[int, int]:
         if self.render is None:
-            return 0, self.stamp.mtime if self.stamp else STARTED
+            return 0, _ns(self.stamp.mtime if self.stamp else STARTED)
         data = self.render().encode()
-        return len(data), self.stamp.seen(data) if self.stamp else STARTED
+        return len(data), _ns(self.stamp.seen(data) if self.stamp else STARTED)
 
     def valid(self) -> bool:
         return self.live()
@@ -401,15 +436,15 @@ class Collected(File):
     perm: int = 0o666
     direct_io = True
 
-    def stat(self) -> tuple[int, float]:
+    def stat(self) -> tuple[int, int]:
         data = self.render().encode()
-        return len(data), self.stamp.seen(data) if self.stamp else STARTED
+        return len(data), _ns(self.stamp.seen(data) if self.stamp else STARTED)
 
     def valid(self) -> bool:
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return CollectedHandle(self, how.trunc)
+        return CollectedHandle(self, bool(how.flags & os.O_TRUNC))
 
 
 # ---- logs and blocking reads ---------------------------------------------------------

@@ -7,11 +7,14 @@ here plus the runtime method it calls.
 
 from __future__ import annotations
 
+import os
+import re
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from olliefs.errors import NotFound, OllieError
+from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
     STARTED,
     Collected,
@@ -29,8 +32,9 @@ from olliefs.fs.nodes import (
     Text,
 )
 from olliefs.session.commands import help_text
-from olliefs.session.registry import NEW_TEMPLATE, Registry
+from olliefs.session.registry import CATALOGUE_MAX_AGE, NEW_TEMPLATE, Registry
 from olliefs.session.session import Session
+from olliefs.settings import shipped_dir
 
 HELP = """\
 olliefs: an LLM agent runtime whose interface is this file tree.
@@ -256,9 +260,59 @@ def root_stamp(stamps: dict[str, Stamp], name: str) -> Stamp:
     return got
 
 
+# ---- folders on disk (SPEC 3.1; their node kinds are in disk.py) ----------------------
+
+TOOL_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def disk_dirs(reg: Registry) -> dict[str, Node]:
+    """m/ tmp/ t/ p/ sk/ tr/ u/ x/: the user's files over the shipped ones, by name."""
+    p, shipped = reg.paths, shipped_dir()
+    data = Rules(writable=True, follow=False)  # tools write m/: never follow a symlink
+
+    async def tools_changed(names: set[str]) -> None:
+        # Written through t/: ask toolsrv now (a tool is named by its file minus suffix).
+        probe = sorted(
+            {n for n in (os.path.splitext(f)[0] for f in names) if TOOL_NAME.fullmatch(n)}
+        )
+        await reg.refresh_tools(0.0 if names else CATALOGUE_MAX_AGE, probe)
+
+    def scripts(kind: str) -> Folder:
+        return Folder(
+            (kind,),
+            p.config / "scripts" / kind,
+            [shipped / "scripts" / kind],
+            Rules(executable=True),
+        )
+
+    tools = Folder(
+        ("t",),
+        p.config / "tools",
+        [shipped / "tools"],
+        Rules(writable=True, new_mode=0o755),
+        extra=lambda: {"idx": tools_idx},
+        refresh=tools_changed,
+    )
+    # Opening idx brings the catalogue up to date as a lookup in t/ does.
+    tools_idx = Generated(("t", "idx"), reg.tools_idx_text, refresh=tools.prepare)
+    return {
+        "m": Folder(("m",), p.memory, rules=data),
+        "tmp": Folder(("tmp",), p.scratch, rules=Rules(writable=True, follow=False, tree=True)),
+        "t": tools,
+        "p": Folder(("p",), p.config / "prompts", [shipped / "prompts"]),
+        "sk": Skills(("sk",), p.config / "skills"),
+        "tr": Folder(
+            ("tr",), p.transcripts, rules=Rules(removable=True, follow=False, shown=not_partial)
+        ),
+        "u": scripts("u"),
+        "x": scripts("x"),
+    }
+
+
 def root(reg: Registry) -> Dir:
     stamps: dict[str, Stamp] = {}
     sessions = SessionsDir(reg, stamps)
+    disk = disk_dirs(reg)  # made once: each folder keeps the nodes the kernel holds
 
     def text(name: str, render: Callable[[], str]) -> Text:
         return Text((name,), render, stamp=root_stamp(stamps, name))
@@ -271,7 +325,7 @@ def root(reg: Registry) -> Dir:
             "err": text("err", lambda: reg.last_error + ("\n" if reg.last_error else "")),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,
-            "t": tools_dir(reg, stamps),
+            **disk,
         },
         born=STARTED,
     )

@@ -8,7 +8,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +144,12 @@ class Registry:
         prompt = self.profile(agent).get("prompt", "")
         return prompt if isinstance(prompt, str) else ""
 
-    async def refresh_tools(self, max_age: float = 0.0) -> None:
+    async def refresh_tools(self, max_age: float = 0.0, probe: Sequence[str] = ()) -> None:
         """Read what toolsrv serves, unless the last read is younger than ``max_age``.
+
+        ``probe``: tool names just written through ``t/``, asked for by name first; an
+        unknown name makes toolsrv rescan its dirs at once, where a listing may be up to a
+        second old.
 
         toolsrv not reachable: the catalogue stays as it was and the reason is logged;
         the tree shows what it knew.
@@ -155,6 +159,8 @@ class Registry:
                 return
             try:
                 conn = await self._tree_link.conn()
+                if probe:
+                    await conn.metas(list(probe))
                 self.catalogue = await conn.metas(await conn.names())
             except ToolsrvError as err:
                 log.warning("tool catalogue not read: %s", err)

@@ -57,7 +57,7 @@ def test_mount_returns_when_usable_and_umount_stops(cli: Cli) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"mounted at {cli.mnt}")
     # usable at once: no waiting after the command returned
-    assert sorted(os.listdir(cli.mnt)) == ["backends", "events", "help", "s", "t"]
+    assert {"backends", "events", "help", "s", "t"} <= set(os.listdir(cli.mnt))
     with open(cli.mnt / "s" / "new", "r+") as f:
         f.write(f"name=x cwd={cli.mnt.parent}")
         f.flush()

@@ -174,6 +174,7 @@ echo alone
 
 def test_read_safe_calls_run_in_parallel_others_in_order(daemon: Daemon) -> None:
     tools = daemon.home / "config" / "tools"
+    tools.mkdir(exist_ok=True)  # nothing is copied there any more
     for me, other in (("meet_a", "meet_b"), ("meet_b", "meet_a")):
         p = tools / me
         p.write_text(RENDEZVOUS.replace("$OTHER", other))
@@ -246,6 +247,7 @@ seq 1 30000
 def test_big_results_are_cut_with_a_note(daemon: Daemon) -> None:
     w = workdir(daemon)
     big = daemon.home / "config" / "tools" / "big"
+    big.parent.mkdir(exist_ok=True)
     big.write_text(BIG)
     big.chmod(0o755)
     daemon.replay.add(script(calls(call("big", {}, "c1")), reply("long")))

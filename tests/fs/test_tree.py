@@ -40,7 +40,8 @@ SESSION_FILES = {
 
 
 def test_root(daemon: Daemon) -> None:
-    assert sorted(os.listdir(daemon.path)) == ["backends", "err", "events", "help", "s", "t"]
+    root = ["backends", "err", "events", "help", "m", "p", "s", "sk", "t", "tmp", "tr", "u", "x"]
+    assert sorted(os.listdir(daemon.path)) == root
     assert daemon.read("backends") == "openai\n"
     assert "s/new" in daemon.read("help")
     assert sorted(os.listdir(daemon.p("s"))) == ["idx", "new"]
