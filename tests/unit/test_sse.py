@@ -32,11 +32,10 @@ from olliefs.backend.stream import (
     transport_error,
 )
 
-
 Message = tuple[str, str, str]
 
 
-def M(data: str, event: str = "", id: str = "") -> Message:  # noqa: N802 - reads like a type
+def M(data: str, event: str = "", id: str = "") -> Message:
     return (data, event, id)
 
 
