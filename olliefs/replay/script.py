@@ -183,7 +183,7 @@ def parse_script(text: str) -> list[Entry]:
 
 
 class Recorded(msgspec.Struct, frozen=True):
-    """One model request as the server received it."""
+    """One model request as the server received it (header names in lower case)."""
 
     wire: str
     path: str

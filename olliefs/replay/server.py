@@ -339,7 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._fail(wire, 400, f"request body is not JSON: {e}")
         if not isinstance(request, dict):
             return self._fail(wire, 400, "request body must be a JSON object")
-        headers = {k: v for k, v in self.headers.items()}
+        headers = {k.lower(): v for k, v in self.headers.items()}
         recorded = Recorded(wire.name, self.path, headers, request)
         n, entry = self.replay.script.take(recorded, wire.user_text(request))
         model = wire.model(request, path_model) or self.replay.models[0]
