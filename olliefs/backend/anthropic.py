@@ -181,6 +181,8 @@ class AnthropicParser:
         return out
 
     def _message(self, data: bytes, name: str, out: list[StreamEvent]) -> None:
+        if name == "ping":
+            return  # keep-alive; its payload is not read (as the SDK does not)
         event = decode_json(_EVENT, data, self._provider, self._secrets)
         kind = event.type or name
         if kind == "content_block_delta":

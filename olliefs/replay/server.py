@@ -186,7 +186,9 @@ class _Handler(BaseHTTPRequestHandler):
         if key is None or wire.name == "ollama":
             return True
         if wire.name == "anthropic":
-            ok = self.headers.get("x-api-key") == key
+            # x-api-key as documented; the official SDK (2.x) sends the key as a bearer
+            # token, which the API takes too.
+            ok = key in (self.headers.get("x-api-key"), bearer)
         elif wire.name == "gemini":
             ok = key in (self.headers.get("x-goog-api-key"), *self._query().get("key", []))
         elif wire.name == "kiro":

@@ -165,14 +165,14 @@ def without_final_newline(body: bytes) -> bytes:
     return body.rstrip(b"\r\n")
 
 
-def with_malformed(body: bytes, line_prefix: bytes = b"data: ") -> bytes:
-    """The second payload cut in half: invalid JSON in the middle of a stream."""
+def with_malformed(body: bytes, line_prefix: bytes = b"data: ", nth: int = 2) -> bytes:
+    """The ``nth`` payload cut in half: invalid JSON in the middle of a stream."""
     lines = body.split(b"\n")
     seen = 0
     for i, line in enumerate(lines):
         if line.startswith(line_prefix) or (not line_prefix and line.strip()):
             seen += 1
-            if seen == 2:
+            if seen == nth:
                 lines[i] = line[: len(line) // 2]
                 break
     return b"\n".join(lines)
