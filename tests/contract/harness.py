@@ -55,7 +55,16 @@ class Outcome:
     def without_ids(self) -> Outcome:
         """For providers whose SDK shows no call id (we make one up)."""
         calls = [(None, name, args) for _, name, args in self.calls]
-        return Outcome(self.text, self.reasoning, calls, self.usage, self.finish, self.error)
+        return Outcome(
+            self.text,
+            self.reasoning,
+            calls,
+            self.usage,
+            self.finish,
+            self.error,
+            self.retry_after,
+            self.extra,
+        )
 
     def essentials(self) -> Outcome:
         """Errors compare by kind only: the partial reply before a failure is not kept by
