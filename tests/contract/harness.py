@@ -54,7 +54,7 @@ class Outcome:
 
     def without_ids(self) -> Outcome:
         """For providers whose SDK shows no call id (we make one up)."""
-        calls = [(None, name, args) for _, name, args in self.calls]
+        calls: list[tuple[str | None, str, Any]] = [(None, n, args) for _, n, args in self.calls]
         return Outcome(
             self.text,
             self.reasoning,
