@@ -444,10 +444,10 @@ class KiroBackend(HTTPBackend):
 
     async def _model_limits(self) -> dict[str, int]:
         if self._models is None:
+            headers = {"Authorization": f"Bearer {await self._token()}"}  # may learn the ARN
             params = {"origin": "AI_EDITOR"}
             if self._profile_arn:
                 params["profileArn"] = self._profile_arn
-            headers = {"Authorization": f"Bearer {await self._token()}"}
             try:
                 reply = await self._get(
                     "ListAvailableModels", _MODEL_LIST, "model list", params=params, headers=headers
