@@ -575,7 +575,7 @@ class ReplayServer:
             "OLLIE_KIRO_AUTH_URL": f"{base}/refreshToken",
         }
         if self.key is not None:
-            for name in ("OPENAI", "ANTHROPIC", "GEMINI", "COPILOT", "KIRO"):
+            for name in ("OPENAI", "ANTHROPIC", "OLLAMA", "GEMINI", "COPILOT", "KIRO"):
                 out[f"OLLIE_{name}_KEY"] = self.key
         return out
 
