@@ -45,7 +45,14 @@ from olliefs.backend.base import (
     Usage,
 )
 from olliefs.backend.openai import normalize_base_url
-from olliefs.backend.stream import HTTPBackend, Secrets, SSEDecoder, decode_json, http_error
+from olliefs.backend.stream import (
+    HTTPBackend,
+    Secrets,
+    SSEDecoder,
+    SSEMessage,
+    bad_payload,
+    http_error,
+)
 
 WIRE = "anthropic"
 API_VERSION = "2023-06-01"
@@ -81,19 +88,19 @@ ERROR_STATUS = {
 # ---- the stream ----------------------------------------------------------------------------
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, gc=False):
     input_tokens: int | None = None
     output_tokens: int | None = None
     cache_read_input_tokens: int | None = None
     cache_creation_input_tokens: int | None = None
 
 
-class _Message(msgspec.Struct):
+class _Message(msgspec.Struct, gc=False):
     id: str = ""
     usage: _Usage | None = None
 
 
-class _Block(msgspec.Struct):
+class _Block(msgspec.Struct, gc=False):
     type: str = ""
     id: str = ""
     name: str = ""
@@ -104,7 +111,7 @@ class _Block(msgspec.Struct):
     input: Any = None
 
 
-class _Delta(msgspec.Struct):
+class _Delta(msgspec.Struct, gc=False):
     type: str = ""
     text: str = ""
     thinking: str = ""
@@ -113,12 +120,12 @@ class _Delta(msgspec.Struct):
     stop_reason: str | None = None
 
 
-class _Error(msgspec.Struct):
+class _Error(msgspec.Struct, gc=False):
     type: str = ""
     message: str = ""
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):
     type: str = ""
     index: int = 0
     message: _Message | None = None
@@ -165,25 +172,33 @@ class AnthropicParser:
         self._seen_start = False
 
     def feed(self, chunk: bytes) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
-        for message in self._sse.feed(chunk):
-            self._message(message.data, message.event, out)
-            if self.done:
-                break
-        return out
+        return self._read(self._sse.feed(chunk))
 
     def close(self) -> list[StreamEvent]:
+        return self._read(self._sse.close())
+
+    def _read(self, messages: list[SSEMessage]) -> list[StreamEvent]:
         out: list[StreamEvent] = []
-        for message in self._sse.close():
-            self._message(message.data, message.event, out)
+        decode = _EVENT.decode
+        for message in messages:
+            if message.event == "ping":
+                continue  # keep-alive; its payload is not read (as the SDK does not)
+            try:
+                event = decode(message.data)
+            except msgspec.DecodeError as exc:
+                raise bad_payload(self._provider, message.data, exc, self._secrets) from exc
+            # the common case first, inline: a text delta
+            if event.type == "content_block_delta" and (delta := event.delta) is not None:
+                if delta.type == "text_delta":
+                    if delta.text and event.index in self._blocks:
+                        out.append(StreamEvent("content", text=delta.text))
+                    continue
+            self._message(event, message.data, message.event, out)
             if self.done:
                 break
         return out
 
-    def _message(self, data: bytes, name: str, out: list[StreamEvent]) -> None:
-        if name == "ping":
-            return  # keep-alive; its payload is not read (as the SDK does not)
-        event = decode_json(_EVENT, data, self._provider, self._secrets)
+    def _message(self, event: _Event, data: bytes, name: str, out: list[StreamEvent]) -> None:
         kind = event.type or name
         if kind == "content_block_delta":
             delta, block = event.delta, self._blocks.get(event.index)
@@ -383,12 +398,12 @@ def request_body(
 # ---- the backend ---------------------------------------------------------------------------
 
 
-class _ModelInfo(msgspec.Struct):
+class _ModelInfo(msgspec.Struct, gc=False):
     id: str
     max_input_tokens: int | None = None
 
 
-class _ModelPage(msgspec.Struct):
+class _ModelPage(msgspec.Struct, gc=False):
     data: list[_ModelInfo]
     has_more: bool = False
     last_id: str | None = None

@@ -38,7 +38,7 @@ import msgspec
 Role = Literal["system", "user", "assistant", "tool"]
 
 
-class ToolCall(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True, gc=False):
     """One function call requested by the model; ``arguments`` is the raw JSON text."""
 
     id: str
@@ -73,7 +73,7 @@ class Tool(msgspec.Struct, frozen=True):
     parameters: dict[str, Any]
 
 
-class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
+class Usage(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """Token counts of one request, the same convention for every provider.
 
     ``input_tokens`` counts *every* prompt token: the ones read from the provider's cache
@@ -113,8 +113,13 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
 StreamKind = Literal["content", "reasoning", "tool_calls", "usage", "done"]
 
 
-class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True):
+class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """One item of a streamed reply.
+
+    (``gc=False`` here and on the structs the parsers decode: they are made by the
+    hundred thousand per stream and can hold no reference cycle, only strings, numbers
+    and JSON values; keeping them out of the cyclic collector makes parsing a third
+    faster.)
 
     * ``content`` / ``reasoning``: ``text`` holds the delta;
     * ``tool_calls``: ``tool_calls`` holds every call of the reply, complete, emitted once

@@ -43,11 +43,11 @@ EDITOR_HEADERS = {
 }
 
 
-class _Endpoints(msgspec.Struct):
+class _Endpoints(msgspec.Struct, gc=False):
     api: str | None = None
 
 
-class _Token(msgspec.Struct):
+class _Token(msgspec.Struct, gc=False):
     token: str
     expires_at: float | None = None
     refresh_in: float | None = None

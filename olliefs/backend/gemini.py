@@ -63,47 +63,47 @@ FINISH = {
 # ---- the stream ----------------------------------------------------------------------------
 
 
-class _FunctionCall(msgspec.Struct):
+class _FunctionCall(msgspec.Struct, gc=False):
     name: str = ""
     args: Any = None
     id: str | None = None
 
 
-class _Part(msgspec.Struct):
+class _Part(msgspec.Struct, gc=False):
     text: str | None = None
     thought: bool = False
     functionCall: _FunctionCall | None = None
     thoughtSignature: str | None = None
 
 
-class _Content(msgspec.Struct):
+class _Content(msgspec.Struct, gc=False):
     parts: list[_Part] | None = None
 
 
-class _Candidate(msgspec.Struct):
+class _Candidate(msgspec.Struct, gc=False):
     content: _Content | None = None
     finishReason: str | None = None
 
 
-class _UsageMetadata(msgspec.Struct):
+class _UsageMetadata(msgspec.Struct, gc=False):
     promptTokenCount: int | None = None
     candidatesTokenCount: int | None = None
     thoughtsTokenCount: int | None = None
     cachedContentTokenCount: int | None = None
 
 
-class _Status(msgspec.Struct):
+class _Status(msgspec.Struct, gc=False):
     code: int | None = None
     message: str = ""
     status: str = ""
     details: list[dict[str, Any]] | None = None
 
 
-class _PromptFeedback(msgspec.Struct):
+class _PromptFeedback(msgspec.Struct, gc=False):
     blockReason: str | None = None
 
 
-class _Response(msgspec.Struct):
+class _Response(msgspec.Struct, gc=False):
     candidates: list[_Candidate] | None = None
     usageMetadata: _UsageMetadata | None = None
     responseId: str | None = None
@@ -321,13 +321,13 @@ def request_body(
 # ---- the backend ---------------------------------------------------------------------------
 
 
-class _ModelEntry(msgspec.Struct):
+class _ModelEntry(msgspec.Struct, gc=False):
     name: str
     inputTokenLimit: int | None = None
     supportedGenerationMethods: list[str] | None = None
 
 
-class _ModelPage(msgspec.Struct):
+class _ModelPage(msgspec.Struct, gc=False):
     models: list[_ModelEntry] | None = None
     nextPageToken: str | None = None
 

@@ -61,6 +61,7 @@ CONTEXT_LENGTH = 200000
 MODELS = ("claude-sonnet-4", "claude-sonnet-4.5", "claude-haiku-4.5", "claude-3.7-sonnet")
 MAX_FRAME = 16 * 1024 * 1024
 _PRELUDE = struct.Struct(">III")
+_CRC = struct.Struct(">I")
 
 # AWS exception names -> the HTTP status they stand for (the retry logic decides by it).
 EXCEPTION_STATUS = {
@@ -78,41 +79,70 @@ EXCEPTION_STATUS = {
 # ---- the framing ---------------------------------------------------------------------------
 
 
-class Frame(msgspec.Struct, frozen=True):
+class Frame(msgspec.Struct, frozen=True, gc=False):
     headers: dict[str, Any]
     payload: bytes
 
 
 class EventStreamDecoder:
-    """AWS event stream frames from bytes, incrementally; CRCs are checked."""
+    """AWS event stream frames from bytes, incrementally; both CRCs are checked.
 
-    __slots__ = ("_buf",)
+    Frames are cut from the buffer by offset (no copy per frame), bytes of a frame not yet
+    complete wait as parts until the frame's length is there (a big frame read in many
+    pieces is joined once), and the decoded headers are cached by their bytes: a stream
+    repeats the same few header blocks, one per event type. Frames of one stream may share
+    a headers dict; it is read-only.
+    """
+
+    __slots__ = ("_headers", "_need", "_parts", "_size")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._need = 12  # bytes needed before anything more can be read
+        self._headers: dict[bytes, dict[str, Any]] = {}
 
     @property
     def pending(self) -> int:
-        return len(self._buf)
+        return self._size
 
     def feed(self, chunk: bytes) -> list[Frame]:
-        self._buf += chunk
+        if not chunk:
+            return []
+        self._parts.append(chunk)
+        self._size += len(chunk)
+        if self._size < self._need:
+            return []
+        buf = b"".join(self._parts) if len(self._parts) > 1 else self._parts[0]
+        view = memoryview(buf)
         frames: list[Frame] = []
-        while len(self._buf) >= 12:
-            total, header_len, prelude_crc = _PRELUDE.unpack_from(self._buf)
-            if zlib.crc32(memoryview(self._buf)[:8]) != prelude_crc:
+        i, n = 0, len(buf)
+        need = 12
+        while n - i >= 12:
+            total, header_len, prelude_crc = _PRELUDE.unpack_from(buf, i)
+            if zlib.crc32(view[i : i + 8]) != prelude_crc:
                 raise ValueError("prelude checksum mismatch")
             if total > MAX_FRAME or total < 16 + header_len:
                 raise ValueError(f"bad frame length {total}")
-            if len(self._buf) < total:
+            if n - i < total:
+                need = total
                 break
-            frame = bytes(self._buf[:total])
-            del self._buf[:total]
-            (crc,) = struct.unpack_from(">I", frame, total - 4)
-            if zlib.crc32(memoryview(frame)[: total - 4]) != crc:
+            end = i + total
+            if zlib.crc32(view[i : end - 4]) != _CRC.unpack_from(buf, end - 4)[0]:
                 raise ValueError("message checksum mismatch")
-            headers = _headers(memoryview(frame)[12 : 12 + header_len])
-            frames.append(Frame(headers, frame[12 + header_len : total - 4]))
+            raw = buf[i + 12 : i + 12 + header_len]
+            headers = self._headers.get(raw)
+            if headers is None:
+                headers = _headers(memoryview(raw))
+                if len(self._headers) < 256:
+                    self._headers[raw] = headers
+            frames.append(Frame(headers, buf[i + 12 + header_len : end - 4]))
+            i = end
+        view.release()
+        rest = buf[i:]
+        self._parts = [rest] if rest else []
+        self._size = len(rest)
+        self._need = need
         return frames
 
 
@@ -148,7 +178,7 @@ def _headers(data: memoryview) -> dict[str, Any]:
 # ---- the stream ----------------------------------------------------------------------------
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):
     content: str | None = None  # assistantResponseEvent
     toolUseId: str | None = None
     name: str | None = None
@@ -325,23 +355,23 @@ def conversation(
 # ---- the backend ---------------------------------------------------------------------------
 
 
-class _Refreshed(msgspec.Struct):
+class _Refreshed(msgspec.Struct, gc=False):
     accessToken: str
     expiresIn: float | None = None
     profileArn: str | None = None
     refreshToken: str | None = None
 
 
-class _TokenLimits(msgspec.Struct):
+class _TokenLimits(msgspec.Struct, gc=False):
     maxInputTokens: int | None = None
 
 
-class _ModelInfo(msgspec.Struct):
+class _ModelInfo(msgspec.Struct, gc=False):
     modelId: str
     tokenLimits: _TokenLimits | None = None
 
 
-class _ModelList(msgspec.Struct):
+class _ModelList(msgspec.Struct, gc=False):
     models: list[_ModelInfo]
 
 

@@ -50,24 +50,24 @@ DEFAULT_CONTEXT = 4096  # what an Ollama server gives a model unless told otherw
 # ---- the stream ----------------------------------------------------------------------------
 
 
-class _Function(msgspec.Struct):
+class _Function(msgspec.Struct, gc=False):
     name: str = ""
     arguments: Any = None
     index: int | None = None
 
 
-class _ToolCall(msgspec.Struct):
+class _ToolCall(msgspec.Struct, gc=False):
     function: _Function
     id: str | None = None
 
 
-class _Message(msgspec.Struct):
+class _Message(msgspec.Struct, gc=False):
     content: str = ""
     thinking: str = ""
     tool_calls: list[_ToolCall] | None = None
 
 
-class _Line(msgspec.Struct):
+class _Line(msgspec.Struct, gc=False):
     message: _Message | None = None
     done: bool = False
     done_reason: str = ""
@@ -210,17 +210,17 @@ def request_body(
 # ---- the backend ---------------------------------------------------------------------------
 
 
-class _Tag(msgspec.Struct):
+class _Tag(msgspec.Struct, gc=False):
     name: str
     model: str = ""
     digest: str = ""
 
 
-class _Tags(msgspec.Struct):
+class _Tags(msgspec.Struct, gc=False):
     models: list[_Tag]
 
 
-class _Show(msgspec.Struct):
+class _Show(msgspec.Struct, gc=False):
     model_info: dict[str, Any] | None = None
     parameters: str = ""
 

@@ -43,7 +43,8 @@ from olliefs.backend.stream import (
     HTTPBackend,
     Secrets,
     SSEDecoder,
-    decode_json,
+    SSEMessage,
+    bad_payload,
     http_error,
     one_line,
 )
@@ -86,18 +87,18 @@ def is_reasoning_model(model: str) -> bool:
 # ---- the stream ----------------------------------------------------------------------------
 
 
-class _FunctionDelta(msgspec.Struct):
+class _FunctionDelta(msgspec.Struct, gc=False):
     name: str | None = None
     arguments: str | None = None
 
 
-class _ToolCallDelta(msgspec.Struct):
+class _ToolCallDelta(msgspec.Struct, gc=False):
     index: int | None = None
     id: str | None = None
     function: _FunctionDelta | None = None
 
 
-class _Delta(msgspec.Struct):
+class _Delta(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning_content: str | None = None  # vLLM, DeepSeek, LM Studio
     reasoning: str | None = None  # OpenRouter, Ollama, newer vLLM (sometimes both are sent)
@@ -106,28 +107,28 @@ class _Delta(msgspec.Struct):
     function_call: _FunctionDelta | None = None  # legacy single-function form
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):
     delta: _Delta | None = None
     finish_reason: str | None = None
 
 
-class _PromptTokensDetails(msgspec.Struct):
+class _PromptTokensDetails(msgspec.Struct, gc=False):
     cached_tokens: int | None = None
     cache_write_tokens: int | None = None  # OpenRouter, for providers that charge writes
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_tokens_details: _PromptTokensDetails | None = None
     cost: float | None = None  # OpenRouter, USD
 
 
-class _Error(msgspec.Struct):
+class _Error(msgspec.Struct, gc=False):
     code: int | str | None = None
 
 
-class _Chunk(msgspec.Struct):
+class _Chunk(msgspec.Struct, gc=False):
     id: str | None = None
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
@@ -175,27 +176,46 @@ class OpenAIParser:
         self._details: dict[int, dict[str, Any]] = {}
 
     def feed(self, chunk: bytes) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
-        for message in self._sse.feed(chunk):
-            self._message(message.data, out)
-            if self.done:
-                break
-        return out
+        return self._read(self._sse.feed(chunk))
 
     def close(self) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
-        for message in self._sse.close():
-            self._message(message.data, out)
-            if self.done:
-                break
-        return out
+        return self._read(self._sse.close())
 
-    def _message(self, data: bytes, out: list[StreamEvent]) -> None:
-        data = data.strip()
-        if data == b"[DONE]":
-            self._finish(out)
-        elif data:
-            self._chunk(decode_json(_CHUNK, data, self._provider, self._secrets), data, out)
+    def _read(self, messages: list[SSEMessage]) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        decode = _CHUNK.decode
+        for message in messages:
+            data = message.data
+            if data[:1] != b"{":  # [DONE], an empty event, or not JSON at all
+                data = data.strip()
+                if data == b"[DONE]":
+                    self._finish(out)
+                    break
+                if not data:
+                    continue
+            try:
+                chunk = decode(data)
+            except msgspec.DecodeError as exc:
+                raise bad_payload(self._provider, data, exc, self._secrets) from exc
+            # the common case first, inline: one choice whose delta is only content
+            choices = chunk.choices
+            if choices and len(choices) == 1 and chunk.usage is None and chunk.error is None:
+                choice = choices[0]
+                delta = choice.delta
+                if (
+                    delta is not None
+                    and delta.content
+                    and choice.finish_reason is None
+                    and delta.tool_calls is None
+                    and delta.function_call is None
+                    and not (delta.reasoning or delta.reasoning_content or delta.reasoning_details)
+                ):
+                    if chunk.id:
+                        self._response_id = chunk.id
+                    out.append(StreamEvent("content", text=delta.content))
+                    continue
+            self._chunk(chunk, data, out)
+        return out
 
     def _chunk(self, chunk: _Chunk, data: bytes, out: list[StreamEvent]) -> None:
         if chunk.error is not None:
@@ -386,20 +406,20 @@ def reasoning_effort(model: str, budget: int) -> str:
 # ---- models --------------------------------------------------------------------------------
 
 
-class _Limits(msgspec.Struct):
+class _Limits(msgspec.Struct, gc=False):
     max_context_window_tokens: int | None = None
     max_prompt_tokens: int | None = None
 
 
-class _Capabilities(msgspec.Struct):
+class _Capabilities(msgspec.Struct, gc=False):
     limits: _Limits | None = None
 
 
-class _TopProvider(msgspec.Struct):
+class _TopProvider(msgspec.Struct, gc=False):
     context_length: int | None = None
 
 
-class _ModelEntry(msgspec.Struct):
+class _ModelEntry(msgspec.Struct, gc=False):
     id: str
     context_length: int | None = None  # OpenRouter
     max_model_len: int | None = None  # vLLM
@@ -418,7 +438,7 @@ class _ModelEntry(msgspec.Struct):
         )
 
 
-class _ModelList(msgspec.Struct):
+class _ModelList(msgspec.Struct, gc=False):
     data: list[_ModelEntry]
 
 

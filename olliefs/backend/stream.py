@@ -27,7 +27,7 @@ from collections.abc import (
 )
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -74,8 +74,11 @@ _T = TypeVar("_T")
 # ---- framing -------------------------------------------------------------------------------
 
 
-class SSEMessage(NamedTuple):
-    """One dispatched server-sent event; ``id`` is the last id seen, as the SSE spec keeps it."""
+class SSEMessage(msgspec.Struct, frozen=True, gc=False):
+    """One dispatched server-sent event; ``id`` is the last id seen, as the SSE spec keeps it.
+
+    (A Struct, not a NamedTuple: its constructor is C code, and one is made per event.)
+    """
 
     data: bytes
     event: str = ""
@@ -139,53 +142,110 @@ class SSEDecoder:
     message, ``id`` until changed. A message still open when the stream ends is
     dispatched too (the spec drops it), so a server that omits the last blank line does
     not lose its terminator.
+
+    The bytes are cut at blank lines first, so a whole event is one slice, and the two
+    shapes providers actually send (``data: ...`` alone, or ``event: ...`` then ``data:
+    ...``) are read without looking at lines one by one; anything else takes the general
+    path. Line ends are normalized to LF first (CRLF and lone CR are line ends too); a CR
+    at the end of a read is held back until the next read says whether an LF follows.
+    What follows the last blank line waits, unread, for more bytes.
     """
 
-    __slots__ = ("_data", "_event", "_id", "_lines")
+    __slots__ = ("_id", "_names", "_parts", "_started")
 
     def __init__(self) -> None:
-        self._lines = LineSplitter()
-        self._data: list[bytes] = []
-        self._event = ""
+        self._parts: list[bytes] = []  # bytes after the last blank line, not read yet
         self._id = ""
+        self._started = False
+        self._names: dict[bytes, str] = {}  # event names seen, decoded once
 
     def feed(self, chunk: bytes) -> list[SSEMessage]:
-        return self._messages(self._lines.feed(chunk))
-
-    def close(self) -> list[SSEMessage]:
-        out = self._messages(self._lines.close())
-        if self._data:
-            out.append(self._dispatch())
+        if not self._started:
+            head = b"".join([*self._parts, chunk])
+            if len(head) < 3 and b"\xef\xbb\xbf".startswith(head):
+                self._parts = [head] if head else []
+                return []  # could still be the start of a BOM
+            self._started, self._parts = True, []
+            chunk = head.removeprefix(b"\xef\xbb\xbf")
+        if not chunk:
+            return []
+        parts = self._parts
+        if (
+            b"\n\n" not in chunk
+            and b"\r" not in chunk
+            and not (parts and (parts[-1][-1:] == b"\r" or (parts[-1][-1:] == b"\n" == chunk[:1])))
+        ):
+            parts.append(chunk)  # no event ends in here: keep it for later
+            return []
+        buf = b"".join(parts) + chunk if parts else chunk
+        held = False
+        if b"\r" in buf:
+            held = buf.endswith(b"\r")  # maybe half of a CRLF: decided by the next read
+            if held:
+                buf = buf[:-1]
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        blocks = buf.split(b"\n\n")
+        rest = blocks.pop()
+        if held:
+            rest += b"\r"
+        self._parts = [rest] if rest else []
+        out: list[SSEMessage] = []
+        append, last_id, names = out.append, self._id, self._names
+        for block in blocks:
+            # the two common shapes, inline: one data line, or an event line and a data line
+            if block[:6] == b"data: ":
+                if b"\n" not in block:
+                    append(SSEMessage(block[6:], "", last_id))
+                    continue
+            elif block[:7] == b"event: ":
+                nl = block.find(b"\n")
+                if block[nl + 1 : nl + 7] == b"data: " and block.find(b"\n", nl + 1) < 0:
+                    name = block[7:nl]
+                    event = names.get(name)
+                    if event is None:
+                        event = name.decode("utf-8", "replace")
+                        if len(names) < 64:
+                            names[name] = event
+                    append(SSEMessage(block[nl + 7 :], event, last_id))
+                    continue
+            self._block(block, out)
+            last_id = self._id
         return out
 
-    def _dispatch(self) -> SSEMessage:
-        data = self._data
-        message = SSEMessage(data[0] if len(data) == 1 else b"\n".join(data), self._event, self._id)
-        self._data, self._event = [], ""
-        return message
-
-    def _messages(self, lines: list[bytes]) -> list[SSEMessage]:
+    def close(self) -> list[SSEMessage]:
+        rest = b"".join(self._parts)
+        self._parts = []
+        if not self._started:
+            rest = rest.removeprefix(b"\xef\xbb\xbf")
         out: list[SSEMessage] = []
-        for line in lines:
-            if not line:
-                if self._data:
-                    out.append(self._dispatch())
-                else:
-                    self._event = ""
+        for block in rest.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n"):
+            self._block(block, out)
+        return out
+
+    def _block(self, block: bytes, out: list[SSEMessage]) -> None:
+        """Read one event (the text between two blank lines), field by field."""
+        data: list[bytes] = []
+        event = ""
+        for line in block.split(b"\n"):
+            if not line:  # a blank line at the start (three line ends in a row)
+                if data:
+                    out.append(SSEMessage(b"\n".join(data), event, self._id))
+                data, event = [], ""
             elif line.startswith(b"data:"):
                 value = line[5:]
-                self._data.append(value[1:] if value.startswith(b" ") else value)
+                data.append(value[1:] if value.startswith(b" ") else value)
             elif not line.startswith(b":"):
                 name, _, value = line.partition(b":")
                 if value.startswith(b" "):
                     value = value[1:]
                 if name == b"data":  # "data" alone: a field with an empty value
-                    self._data.append(value)
+                    data.append(value)
                 elif name == b"event":
-                    self._event = value.decode("utf-8", "replace")
+                    event = value.decode("utf-8", "replace")
                 elif name == b"id" and b"\0" not in value:
                     self._id = value.decode("utf-8", "replace")
-        return out
+        if data:
+            out.append(SSEMessage(b"\n".join(data), event, self._id))
 
 
 class NDJSONSplitter:
@@ -238,10 +298,12 @@ def decode_json(
     try:
         return decoder.decode(data)
     except msgspec.DecodeError as exc:
-        text = data.decode("utf-8", "replace")
-        raise BadResponseError(
-            one_line(f"{provider}: bad stream payload ({exc}): {text}", secrets)
-        ) from exc
+        raise bad_payload(provider, data, exc, secrets) from exc
+
+
+def bad_payload(provider: str, data: bytes, exc: Exception, secrets: Secrets) -> BadResponseError:
+    text = data.decode("utf-8", "replace")
+    return BadResponseError(one_line(f"{provider}: bad stream payload ({exc}): {text}", secrets))
 
 
 # ---- errors --------------------------------------------------------------------------------
