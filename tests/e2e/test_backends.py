@@ -167,3 +167,22 @@ def test_thinking_blocks_survive_a_restart(tmp_path: Path) -> None:
             daemon.prompt("keep", "again")
             daemon.wait_idle("keep")
         assert_opaque_state_went_back("anthropic", server.recorded[-1])
+
+
+def test_no_key_reaches_a_tool(keyed: tuple[ReplayServer, Daemon]) -> None:
+    """Every backend's key is set; a tool that prints its whole environment shows none."""
+    server, daemon = keyed
+    code = {"code": "env; cat /proc/self/environ | tr '\\\\0' '\\\\n'", "language": "bash"}
+    server.add(
+        [
+            Entry(tool_calls=(EntryToolCall(name="execute_code", arguments=code, id="e1"),)),
+            Entry(reply="done"),
+        ]
+    )
+    sid = daemon.new(name="env", backend="anthropic", model="replay")
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
+    daemon.prompt(sid, "show env")
+    daemon.wait_idle(sid)
+    _, output = tool_result_of("anthropic", server.recorded[-1])
+    assert "OLLIE_SESSION_ID=" in output  # the tool did print its environment
+    assert KEY not in output and "_KEY=" not in output
