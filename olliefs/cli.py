@@ -21,7 +21,7 @@ import time
 
 import trio
 
-from olliefs.settings import Paths, install_defaults, load_settings, paths
+from olliefs.settings import Paths, install_defaults, load_settings, paths, private_file
 
 PROG = "ollie"
 
@@ -116,6 +116,7 @@ def preflight(mnt: str, p: Paths, *, create_default: bool) -> None:
 
 
 def _setup_logging(p: Paths, foreground: bool, verbose: bool) -> None:
+    private_file(p.log_file)
     handlers: list[logging.Handler] = [logging.FileHandler(p.log_file)]
     if foreground:
         handlers.append(logging.StreamHandler(sys.stderr))
@@ -175,6 +176,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "olliefs", "mount", "--ready-fd", str(w), mnt]
     if args.verbose:
         cmd.insert(4, "-v")
+    private_file(p.log_file)
     with open(os.devnull, "rb") as devnull, open(p.log_file, "ab") as logf:
         child = subprocess.Popen(
             cmd, pass_fds=(w,), stdin=devnull, stdout=logf, stderr=logf, start_new_session=True

@@ -69,7 +69,11 @@ async def serve(
                     return
 
         async def report_ready() -> None:
-            await trio.to_thread.run_sync(os.stat, os.path.join(mountpoint, "s"))
+            try:
+                await trio.to_thread.run_sync(os.stat, os.path.join(mountpoint, "s"))
+            except OSError as err:  # stopped before it was ever ready
+                log.info("not ready: %s", err)
+                return
             log.info("mounted at %s", mountpoint)
             if ready:
                 ready()

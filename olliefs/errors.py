@@ -1,17 +1,18 @@
-"""Typed errors raised by the runtime and mapped to errnos by the frontends.
+"""Typed errors raised by the runtime; each class carries the errno a frontend answers.
 
-The runtime knows nothing about errnos, inodes or 9P fids; it raises one of these and
-``olliefs.fs.fuse`` (or later the 9P export) translates:
+The runtime knows nothing about inodes or 9P fids; it raises one of these, and every
+frontend maps it the same way: FUSE answers ``err.errno``, 9P answers ``str(err)`` (the
+reason) in its Rerror. One table, here, on the classes themselves:
 
     OllieError
-    ├── InvalidRequest   bad token, unknown key or command, malformed value   -> EINVAL
-    ├── Busy             refused while a turn runs                            -> EBUSY
-    ├── Exists           a name that is already taken                         -> EEXIST
-    ├── NotFound         no such session / file                               -> ENOENT
-    ├── Denied           the file's mode does not allow it                    -> EACCES
-    ├── WouldBlock       O_NONBLOCK read at the end of a blocking file        -> EAGAIN
-    ├── Interrupted      the reader got a signal while blocked                -> EINTR
-    └── TooMany          too many blocked readers                             -> EMFILE
+    ├── InvalidRequest   bad token, unknown key or command, malformed value   EINVAL
+    ├── Busy             refused while a turn runs                            EBUSY
+    ├── Exists           a name that is already taken                         EEXIST
+    ├── NotFound         no such session / file                               ENOENT
+    ├── Denied           the file's mode does not allow it                    EACCES
+    ├── WouldBlock       O_NONBLOCK read at the end of a blocking file        EAGAIN
+    ├── Interrupted      the reader got a signal while blocked                EINTR
+    └── TooMany          too many blocked readers                             EMFILE
 
 Every refused request leaves the runtime's state untouched; the message is what the user
 sees in ``chat`` as ``error: ...``.
@@ -19,38 +20,48 @@ sees in ``chat`` as ``error: ...``.
 
 from __future__ import annotations
 
+import errno as _errno
+from typing import ClassVar
+
 
 class OllieError(Exception):
     """Base of every error a client request can provoke."""
 
+    errno: ClassVar[int] = _errno.EIO
+
+    @property
+    def reason(self) -> str:
+        """The text a frontend with error strings (9P) sends back."""
+        return str(self) or type(self).__name__
+
 
 class InvalidRequest(OllieError):
-    pass
+    errno = _errno.EINVAL
 
 
 class Busy(OllieError):
-    pass
+    errno = _errno.EBUSY
 
 
 class Exists(OllieError):
-    pass
+    errno = _errno.EEXIST
 
 
 class NotFound(OllieError):
-    pass
+    errno = _errno.ENOENT
 
 
 class Denied(OllieError):
-    pass
+    errno = _errno.EACCES
 
 
 class WouldBlock(OllieError):
-    pass
+    errno = _errno.EAGAIN
 
 
 class Interrupted(OllieError):
-    pass
+    errno = _errno.EINTR
 
 
 class TooMany(OllieError):
-    pass
+    errno = _errno.EMFILE

@@ -59,10 +59,19 @@ class Paths:
         return self.state / "daemon.log"
 
     def ensure(self) -> None:
-        for d in (self.config, self.state, self.data, self.sessions, self.transcripts, self.memory):
-            d.mkdir(parents=True, exist_ok=True)
-        self.run.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.run, 0o700)
+        """Every folder made private (0700): journals, logs and transcripts hold the
+        conversations, and the config folder may hold keys in ``env``."""
+        for d in (self.config, self.state, self.data, self.run):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(d, 0o700)
+        for d in (self.sessions, self.transcripts, self.memory):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` 0600 if missing, make it 0600 if not (a log from an older version)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600))
+    os.chmod(path, 0o600)
 
 
 def paths(environ: Mapping[str, str] | None = None) -> Paths:

@@ -1,8 +1,4 @@
-"""Growing logs and the chat format (SPEC 3.6).
-
-``GrowingLog`` is an append-only byte buffer whose readers wait on a
-``trio.lowlevel.ParkingLot``: an append unparks every waiter at once, so a blocked
-``cat stream`` is woken in the same scheduler tick as the token arrives, with no polling.
+"""The chat format (SPEC 3.6).
 
 ``ChatRenderer`` turns events into chat text. It is the only place that knows the format,
 and it is deterministic: replaying the journal through it rebuilds ``chat`` exactly.
@@ -10,46 +6,8 @@ and it is deterministic: replaying the journal through it rebuilds ``chat`` exac
 
 from __future__ import annotations
 
-import time
-
-import trio
-
 from olliefs.agent.events import Event
-
-
-class GrowingLog:
-    """Append-only bytes with a broadcast wake-up for readers waiting at the end."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._lot = trio.lowlevel.ParkingLot()
-        self.closed = False
-        self.mtime = time.time()
-
-    def __len__(self) -> int:
-        return len(self._buf)
-
-    def append(self, data: bytes) -> None:
-        if not data:
-            return
-        self._buf += data
-        self.mtime = time.time()
-        self._lot.unpark_all()
-
-    def read(self, off: int, size: int) -> bytes:
-        return bytes(self._buf[off : off + size])
-
-    def endswith(self, suffix: bytes) -> bool:
-        return self._buf.endswith(suffix)
-
-    def close(self) -> None:
-        """Readers at the end get EOF from now on (the session is gone)."""
-        self.closed = True
-        self._lot.unpark_all()
-
-    async def wait(self) -> None:
-        """Park until the next append or close. Callers re-check their condition."""
-        await self._lot.park()
+from olliefs.live import GrowingLog
 
 
 def format_seconds(seconds: float) -> str:
@@ -71,7 +29,7 @@ class ChatRenderer:
     def _close(self) -> None:
         if self._open is None:
             return
-        if not self.log.endswith(b"\n") and len(self.log):
+        if not self.log.endswith_newline() and len(self.log):
             self.log.append(b"\n")
         if self._open == "reasoning":
             self.log.append(b"</think>\n")
@@ -79,7 +37,7 @@ class ChatRenderer:
 
     def _line(self, text: str) -> None:
         self._close()
-        if len(self.log) and not self.log.endswith(b"\n"):
+        if len(self.log) and not self.log.endswith_newline():
             self.log.append(b"\n")
         self.log.append(text.encode() + b"\n")
 
@@ -114,5 +72,5 @@ class ChatRenderer:
 
     def end_turn(self) -> None:
         self._close()
-        if len(self.log) and not self.log.endswith(b"\n"):
+        if len(self.log) and not self.log.endswith_newline():
             self.log.append(b"\n")

@@ -46,7 +46,9 @@ _args_decoder = msgspec.json.Decoder(dict[str, Any])
 
 class ToolHost(Protocol):
     link: ToolLink
-    cwd: str
+
+    @property
+    def cwd(self) -> str: ...
 
     def tool_env(self) -> Mapping[str, str]: ...
 

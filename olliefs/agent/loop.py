@@ -69,6 +69,24 @@ class TurnHost(ToolHost, Protocol):
 
     async def checkpoint(self) -> None: ...
 
+    def take_injection(self) -> str | None:
+        """Text injected into the running turn (``ctl inject``), taken once."""
+        ...
+
+    def over_budget(self) -> str | None:
+        """Why the turn must end now (a cost cap reached), or None."""
+        ...
+
+
+class TurnEnded(Exception):
+    """The turn ends early for a reason the user is told (``error:`` line)."""
+
+
+SUMMARY_PROMPT = (
+    "You have reached the step limit for this turn. Do not call any tool. Summarize what "
+    "you did, what is left, and what the user should decide next."
+)
+
 
 async def run_turn(host: TurnHost, prompt: str) -> None:
     host.set_state("thinking")
@@ -78,12 +96,29 @@ async def run_turn(host: TurnHost, prompt: str) -> None:
     for _ in range(host.max_steps):
         reply = await stream_reply(host)
         host.add_message(reply)
-        if not reply.tool_calls:
+        if not reply.tool_calls and not _inject(host):
             return
-        await run_tools(host, reply.tool_calls, cache)
-        await refresh_tools(host)
-        await host.checkpoint()
-    host.emit("maxsteps", f"stopped after {host.max_steps} steps without a final answer")
+        if reply.tool_calls:
+            await run_tools(host, reply.tool_calls, cache)
+            await refresh_tools(host)
+            await host.checkpoint()
+            _inject(host)
+    host.emit("maxsteps", f"step limit of {host.max_steps} reached: asking for a summary")
+    host.add_message(Message("user", SUMMARY_PROMPT))
+    final = await stream_reply(host, tools=False)
+    # No tool is run now: calls the model made anyway are dropped from its message, so
+    # the history stays valid (every call answered).
+    host.add_message(msgspec.structs.replace(final, tool_calls=()))
+
+
+def _inject(host: TurnHost) -> bool:
+    """Deliver a pending injection as a user message of this turn; True if there was one."""
+    text = host.take_injection()
+    if text is None:
+        return False
+    host.emit("user", text, name="inject")
+    host.add_message(Message("user", text))
+    return True
 
 
 async def refresh_tools(host: TurnHost) -> None:
@@ -94,10 +129,13 @@ async def refresh_tools(host: TurnHost) -> None:
         host.emit("error", f"{err} (going on without tools)")
 
 
-async def stream_reply(host: TurnHost) -> Message:
+async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
     """One model reply, retried on rate limits, transient errors and dropped streams."""
     attempt = 0
     while True:
+        why = host.over_budget()
+        if why is not None:
+            raise TurnEnded(why)
         text: list[str] = []
         reasoning: list[str] = []
         calls: tuple[ToolCall, ...] = ()
@@ -105,7 +143,10 @@ async def stream_reply(host: TurnHost) -> Message:
         provider_data: ProviderData = {}
         try:
             async with host.backend().stream(
-                host.model, host.request_messages(), host.link.tools, host.params()
+                host.model,
+                host.request_messages(),
+                host.link.tools if tools else [],
+                host.params(),
             ) as events:
                 async for ev in events:
                     if ev.kind == "content":

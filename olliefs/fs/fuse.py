@@ -13,7 +13,7 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -22,17 +22,6 @@ from olliefs import errors
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
-
-ERRNO: dict[type[errors.OllieError], int] = {
-    errors.InvalidRequest: errno.EINVAL,
-    errors.Busy: errno.EBUSY,
-    errors.Exists: errno.EEXIST,
-    errors.NotFound: errno.ENOENT,
-    errors.Denied: errno.EACCES,
-    errors.WouldBlock: errno.EAGAIN,
-    errors.Interrupted: errno.EINTR,
-    errors.TooMany: errno.EMFILE,
-}
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,7 +36,7 @@ def translated(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any,
             raise
         except errors.OllieError as err:
             log.debug("%s: %s: %s", fn.__name__, type(err).__name__, err)
-            raise pyfuse3.FUSEError(ERRNO[type(err)]) from None
+            raise pyfuse3.FUSEError(err.errno) from None
         except Exception:
             log.exception("unexpected failure in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
@@ -62,6 +51,11 @@ class Operations(pyfuse3.Operations):
         self.waiters = Waiters(max_waiters)
         self._ino: dict[Hashable, int] = {root.key: pyfuse3.ROOT_INODE}
         self._nodes: dict[int, Node] = {pyfuse3.ROOT_INODE: root}
+        # How many times the kernel was told of each inode (lookup and readdirplus
+        # replies) minus what it forgot: at zero the node is dropped, so memory follows
+        # what the kernel holds, not every name ever looked up.
+        self._lookups: dict[int, int] = {}
+        self._last_ino = pyfuse3.ROOT_INODE
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._next_fh = 1
@@ -72,7 +66,8 @@ class Operations(pyfuse3.Operations):
     def _inode(self, node: Node) -> int:
         ino = self._ino.get(node.key)
         if ino is None:
-            ino = len(self._ino) + 1
+            self._last_ino += 1
+            ino = self._last_ino
             self._ino[node.key] = ino
         self._nodes[ino] = node
         return ino
@@ -104,6 +99,29 @@ class Operations(pyfuse3.Operations):
         a.attr_timeout = node.attr_ttl
         return a
 
+    def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
+        """Attributes for a reply the kernel counts as a lookup (lookup, readdirplus)."""
+        a = self._attrs(node)
+        self._lookups[a.st_ino] = self._lookups.get(a.st_ino, 0) + 1
+        return a
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            left = self._lookups.get(ino, 0) - n
+            if left > 0:
+                self._lookups[ino] = left
+                continue
+            self._lookups.pop(ino, None)
+            if ino == pyfuse3.ROOT_INODE:
+                continue
+            node = self._nodes.pop(ino, None)
+            if node is not None and self._ino.get(node.key) == ino:
+                del self._ino[node.key]
+
+    @property
+    def known_inodes(self) -> int:
+        return len(self._nodes)
+
     def _fh(self, handle: Handle) -> int:
         fh = self._next_fh
         self._next_fh += 1
@@ -131,11 +149,12 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         parent = self._dir(parent_inode)
         if name == b".":
-            return self._attrs(parent)
+            return self._entry(parent)
+        await parent.prepare()
         node = parent.lookup(self._name(name))
         if node is None or not node.valid():
             raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._attrs(node)
+        return self._entry(node)
 
     @translated
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -154,9 +173,12 @@ class Operations(pyfuse3.Operations):
         if fields.update_mode or fields.update_uid or fields.update_gid:
             raise pyfuse3.FUSEError(errno.EPERM)
         if fields.update_size:
-            # O_TRUNC on a control or prompt file (``echo x > ctl``): nothing to cut.
+            # O_TRUNC on a control or prompt file (``echo x > ctl``): nothing to cut;
+            # ftruncate on an open prompt cuts its unsubmitted text.
             if not (isinstance(node, File) and node.writable):
                 raise pyfuse3.FUSEError(errno.EACCES)
+            if fh is not None:
+                self._handle(fh).truncate(attr.st_size)
         return self._attrs(node)
 
     @translated
@@ -171,6 +193,7 @@ class Operations(pyfuse3.Operations):
     @translated
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         d = self._dir(inode)
+        await d.prepare()
         fh = self._next_fh
         self._next_fh += 1
         self._dirs[fh] = list(d.entries())
@@ -183,8 +206,13 @@ class Operations(pyfuse3.Operations):
             name, node = entries[i]
             if not node.valid():
                 continue
-            if not pyfuse3.readdir_reply(token, name.encode(), self._attrs(node), i + 1):
+            attrs = self._attrs(node)
+            if not pyfuse3.readdir_reply(token, name.encode(), attrs, i + 1):
+                if attrs.st_ino not in self._lookups:  # not sent: the kernel never knew it
+                    self._nodes.pop(attrs.st_ino, None)
+                    self._ino.pop(node.key, None)
                 break
+            self._lookups[attrs.st_ino] = self._lookups.get(attrs.st_ino, 0) + 1
 
     @translated
     async def releasedir(self, fh: int) -> None:
@@ -203,6 +231,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EACCES)
         if acc in (os.O_RDONLY, os.O_RDWR) and not node.readable:
             raise pyfuse3.FUSEError(errno.EACCES)
+        await node.prepare()
         how = Open(pid=ctx.pid, nonblock=bool(flags & os.O_NONBLOCK), waiters=self.waiters)
         fh = self._fh(node.open(how))
         return pyfuse3.FileInfo(fh=fh, direct_io=node.direct_io, keep_cache=False)
@@ -229,11 +258,11 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self._dir(parent_inode).unlink(self._name(name))
+        await self._dir(parent_inode).unlink(self._name(name))
 
     @translated
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self._dir(parent_inode).rmdir(self._name(name))
+        await self._dir(parent_inode).rmdir(self._name(name))
 
     @translated
     async def rename(
@@ -247,7 +276,7 @@ class Operations(pyfuse3.Operations):
     ) -> None:
         if parent_inode_old != parent_inode_new:
             raise pyfuse3.FUSEError(errno.EXDEV)
-        self._dir(parent_inode_old).rename(self._name(name_old), self._name(name_new))
+        await self._dir(parent_inode_old).rename(self._name(name_old), self._name(name_new))
 
     @translated
     async def create(

@@ -25,18 +25,20 @@ tick is only for Ctrl-C, never for data.
 
 from __future__ import annotations
 
+import codecs
 import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import trio
 
-from olliefs.agent.chat import GrowingLog
-from olliefs.agent.state import StateCell
-from olliefs.errors import Denied, Interrupted, InvalidRequest, TooMany, WouldBlock
+from olliefs.errors import Denied, Interrupted, InvalidRequest, NotFound, TooMany, WouldBlock
 from olliefs.fs.interrupt import signal_pending
+from olliefs.live import GrowingLog, StateCell
 
 INTERRUPT_CHECK = 0.1
 
@@ -83,6 +85,13 @@ class Node:
     def valid(self) -> bool:
         return True
 
+    async def prepare(self) -> None:
+        """Bring what this node shows up to date before it is looked into or opened.
+
+        Most nodes render from memory and need nothing; a node that shows what another
+        process holds (toolsrv's catalogue) fetches it here, where awaiting is allowed.
+        """
+
 
 class Handle:
     async def read(self, off: int, size: int) -> bytes:
@@ -93,6 +102,9 @@ class Handle:
 
     async def flush(self) -> None:
         pass
+
+    def truncate(self, size: int) -> None:
+        """``ftruncate`` on this handle; only prompt text can be cut."""
 
     def release(self) -> None:
         pass
@@ -130,13 +142,13 @@ class Dir(Node):
                 return node
         return None
 
-    def unlink(self, name: str) -> None:
+    async def unlink(self, name: str) -> None:
         raise Denied(f"cannot remove {name}")
 
-    def rmdir(self, name: str) -> None:
+    async def rmdir(self, name: str) -> None:
         raise Denied(f"cannot remove {name}")
 
-    def rename(self, old: str, new: str) -> None:
+    async def rename(self, old: str, new: str) -> None:
         raise Denied(f"cannot rename {old}")
 
 
@@ -156,12 +168,17 @@ class Text(File):
     key: Hashable
     render: Callable[[], str]
     live: Callable[[], bool] = lambda: True
+    refresh: Callable[[], Awaitable[None]] | None = None
 
     def size(self) -> int:
         return len(self.render().encode())
 
     def valid(self) -> bool:
         return self.live()
+
+    async def prepare(self) -> None:
+        if self.refresh is not None:
+            await self.refresh()
 
     def open(self, how: Open) -> Handle:
         return SnapshotHandle(self.render().encode())
@@ -199,7 +216,7 @@ class ControlHandle(Handle):
             text = data.decode()
         except UnicodeDecodeError:
             raise InvalidRequest("not valid UTF-8") from None
-        reply = self.node.apply(text)
+        reply = await self.node.apply(text)
         if reply is not None:
             self.answer = reply.encode()
             self.base = off + len(data)
@@ -209,7 +226,7 @@ class ControlHandle(Handle):
 @dataclass(eq=False)
 class Control(File):
     key: Hashable
-    apply: Callable[[str], str | None]
+    apply: Callable[[str], Awaitable[str | None]]
     render: Callable[[], str] | None = None
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
@@ -228,13 +245,34 @@ class Control(File):
 
 
 class PromptHandle(Handle):
-    def __init__(self, submit: Callable[[str], Awaitable[None]]) -> None:
+    """Text collected per handle and submitted at flush (close).
+
+    A prompt is a stream, like a pipe: every write appends, whatever its offset (an
+    ``O_APPEND`` writer's offset is the file's reported size, 0). Each write is checked
+    as it comes, so that a shell, which ignores errors from close(), still sees a bad
+    prompt refused: bytes that can never be UTF-8 fail that write with EINVAL and are
+    not kept; a sequence cut at the end of a write may be completed by the next one.
+    ``ftruncate`` cuts the text not yet submitted (``ftruncate(fd, 0)`` discards it).
+    """
+
+    def __init__(
+        self, submit: Callable[[str], Awaitable[None]], refused: Callable[[str], None]
+    ) -> None:
         self.submit = submit
+        self.refused = refused
         self.buf = bytearray()
 
     async def write(self, off: int, data: bytes) -> int:
+        try:
+            _utf8_prefix(bytes(self.buf) + data)
+        except UnicodeDecodeError:
+            self.refused("prompt: not valid UTF-8 (the write was refused)")
+            raise InvalidRequest("prompt is not valid UTF-8") from None
         self.buf += data
         return len(data)
+
+    def truncate(self, size: int) -> None:
+        del self.buf[size:]
 
     async def flush(self) -> None:
         if not self.buf:
@@ -243,14 +281,21 @@ class PromptHandle(Handle):
         try:
             text = data.decode()
         except UnicodeDecodeError:
+            self.refused("prompt: ends inside a UTF-8 sequence (not submitted)")
             raise InvalidRequest("prompt is not valid UTF-8") from None
         await self.submit(text)
+
+
+def _utf8_prefix(data: bytes) -> None:
+    """Raise unless ``data`` is UTF-8, or UTF-8 cut inside its last character."""
+    codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
 
 
 @dataclass(eq=False)
 class PromptIn(File):
     key: Hashable
     submit: Callable[[str], Awaitable[None]]
+    refused: Callable[[str], None]
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
 
@@ -258,7 +303,7 @@ class PromptIn(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return PromptHandle(self.submit)
+        return PromptHandle(self.submit, self.refused)
 
 
 # ---- logs and blocking reads ---------------------------------------------------------
@@ -362,6 +407,11 @@ class StaticDir(Dir):
     children: Callable[[], dict[str, Node]]
     live: Callable[[], bool] = lambda: True
     born: float = field(default_factory=time.time)
+    refresh: Callable[[], Awaitable[None]] | None = None
+
+    async def prepare(self) -> None:
+        if self.refresh is not None:
+            await self.refresh()
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         return self.children().items()
@@ -374,6 +424,104 @@ class StaticDir(Dir):
 
     def mtime(self) -> float:
         return self.born
+
+
+# ---- views of files on disk ----------------------------------------------------------
+
+
+class DiskHandle(Handle):
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    async def read(self, off: int, size: int) -> bytes:
+        return os.pread(self.fd, size, off)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass(eq=False)
+class DiskFile(File):
+    """A read-only file of the daemon's own (a branch, a compaction snapshot): what the
+    disk has, size and mtime included, read straight from it."""
+
+    key: Hashable
+    path: Path
+    direct_io = False
+
+    def _stat(self) -> os.stat_result | None:
+        try:
+            return os.stat(self.path)
+        except OSError:
+            return None
+
+    def size(self) -> int:
+        st = self._stat()
+        return st.st_size if st else 0
+
+    def mtime(self) -> float:
+        st = self._stat()
+        return st.st_mtime if st else 0.0
+
+    def valid(self) -> bool:
+        return self.path.is_file()
+
+    def open(self, how: Open) -> Handle:
+        try:
+            return DiskHandle(os.open(self.path, os.O_RDONLY | os.O_CLOEXEC))
+        except FileNotFoundError:
+            raise NotFound(f"gone: {self.path.name}") from None
+
+
+@dataclass(eq=False)
+class DiskDir(Dir):
+    """A read-only view of a folder of the daemon's (``branches/``, ``compactions/``):
+    sub-folders and files as they are on disk, listed sorted (numbers by value)."""
+
+    key: Hashable
+    path: Path
+    # Inside a session directory removal must succeed and do nothing, so that
+    # ``rm -r s/<id>`` reaches the session's rmdir (SPEC 3.7).
+    removal: Literal["ignore", "deny"] = "deny"
+
+    async def unlink(self, name: str) -> None:
+        if self.removal == "deny":
+            raise Denied(f"cannot remove {name}")
+
+    async def rmdir(self, name: str) -> None:
+        await self.unlink(name)
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        try:
+            names = sorted(os.listdir(self.path), key=_natural)
+        except OSError:
+            return []
+        out: list[tuple[str, Node]] = []
+        for name in names:
+            node = self.lookup(name)
+            if node is not None:
+                out.append((name, node))
+        return out
+
+    def lookup(self, name: str) -> Node | None:
+        if name.startswith(".") or name.endswith(".tmp"):
+            return None
+        p = self.path / name
+        if p.is_dir():
+            return DiskDir((self.key, name), p, self.removal)
+        if p.is_file():
+            return DiskFile((self.key, name), p)
+        return None
+
+    def mtime(self) -> float:
+        try:
+            return os.stat(self.path).st_mtime
+        except OSError:
+            return 0.0
+
+
+def _natural(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (1 << 62, name)
 
 
 def owner() -> tuple[int, int]:

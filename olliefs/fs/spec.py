@@ -7,12 +7,14 @@ here plus the runtime method it calls.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
+from olliefs.errors import NotFound
 from olliefs.fs.nodes import (
     Control,
     Dir,
+    DiskDir,
     LogFile,
     Node,
     PromptIn,
@@ -21,6 +23,7 @@ from olliefs.fs.nodes import (
     StaticDir,
     Text,
 )
+from olliefs.session.commands import help_text
 from olliefs.session.registry import NEW_TEMPLATE, Registry
 from olliefs.session.session import Session
 
@@ -36,19 +39,22 @@ olliefs: an LLM agent runtime whose interface is this file tree.
   cat s/demo/statewait                 wait for the state to change
   rm -r s/demo                         end it (its journal goes to the transcripts)
 
-See ollie(1) and ollie(5).
+ctl commands:
 """
+HELP_END = "\nSee ollie(1) and ollie(5).\n"
 
 
-def session_files(s: Session) -> dict[str, Node]:
+def session_files(reg: Registry, s: Session) -> dict[str, Node]:
     u = s.uid
+    a = s.agent
     live = lambda: not s.closed  # noqa: E731
+    fresh = reg.fresh_catalogue  # what toolsrv serves, read again if older than a second
 
     def text(name: str, render: Callable[[], str]) -> Text:
         return Text(("s", u, name), render, live)
 
     return {
-        "prompt": PromptIn(("s", u, "prompt"), s.submit, live=live),
+        "prompt": PromptIn(("s", u, "prompt"), s.submit, s.error, live=live),
         "prompt.prev": text("prompt.prev", lambda: s.prompt_prev + ("\n" if s.prompt_prev else "")),
         "chat": LogFile(("s", u, "chat"), s.chat),
         "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),
@@ -58,15 +64,58 @@ def session_files(s: Session) -> dict[str, Node]:
         "cfg": Control(("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live),
         "ctl": Control(("s", u, "ctl"), s.ctl, live=live),
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
-        "usage": text("usage", s.history.totals.usage_text),
-        "cost": text("cost", s.history.totals.cost_text),
-        "ctxsz": text("ctxsz", s.ctxsz_text),
-        "context": text("context", s.context_text),
+        "usage": text("usage", a.history.totals.usage_text),
+        "cost": text("cost", lambda: reg.cost_text(s)),
+        "ctxsz": text("ctxsz", a.ctxsz_text),
+        "context": text("context", a.context_text),
         "env": text("env", s.env_text),
-        "tools": text("tools", s.tools_text),
-        "systemprompt": text("systemprompt", s.systemprompt_text),
+        "tools": Text(("s", u, "tools"), a.tools_text, live, fresh),
+        "systemprompt": Text(("s", u, "systemprompt"), a.systemprompt_text, live, fresh),
         "tail": Script(("s", u, "tail"), s.tail_script, live),
+        "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
+        "peer": PeerDir(reg, s),
     }
+
+
+class PeerDir(Dir):
+    """``peer/``: one file per other session of the family; writing one submits the text
+    to that session, prefixed with the sender's id (fire-and-forget: the write returns
+    once the peer acknowledged the prompt, not when it answered)."""
+
+    perm = 0o755
+    entry_ttl = 0.0  # families change as sessions come and go
+
+    def __init__(self, reg: Registry, s: Session) -> None:
+        self.key = ("s", s.uid, "peer")
+        self.reg = reg
+        self.s = s
+
+    def _file(self, other: Session) -> Node:
+        sender = self.s
+
+        async def send(text: str) -> None:
+            if not text.strip():
+                return
+            if other.closed:
+                raise NotFound(f"peer {other.id} is gone")
+            await other.submit(f"[from {sender.id}] {text.strip()}")
+
+        return PromptIn(("s", self.s.uid, "peer", other.uid), send, other.error)
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        return [(o.id, self._file(o)) for o in self.reg.family(self.s)]
+
+    def lookup(self, name: str) -> Node | None:
+        for o in self.reg.family(self.s):
+            if o.id == name:
+                return self._file(o)
+        return None
+
+    async def unlink(self, name: str) -> None:
+        pass  # rm -r of the session goes through
+
+    def valid(self) -> bool:
+        return not self.s.closed
 
 
 class SessionDir(StaticDir):
@@ -78,7 +127,10 @@ class SessionDir(StaticDir):
 
     entry_ttl = 0.0
 
-    def unlink(self, name: str) -> None:
+    async def unlink(self, name: str) -> None:
+        pass
+
+    async def rmdir(self, name: str) -> None:
         pass
 
 
@@ -92,8 +144,8 @@ class SessionsDir(Dir):
         self.reg = reg
 
     def _fixed(self) -> dict[str, Node]:
-        def new(text: str) -> str:
-            return self.reg.create(text).id + "\n"
+        async def new(text: str) -> str:
+            return (await self.reg.create(text)).id + "\n"
 
         return {
             "new": Control(("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666),
@@ -102,7 +154,7 @@ class SessionsDir(Dir):
 
     def _session_dir(self, s: Session) -> Node:
         return SessionDir(
-            ("s", s.uid), lambda: session_files(s), lambda: not s.closed, born=s.created
+            ("s", s.uid), lambda: session_files(self.reg, s), lambda: not s.closed, born=s.created
         )
 
     def entries(self) -> Iterable[tuple[str, Node]]:
@@ -117,26 +169,33 @@ class SessionsDir(Dir):
         s = self.reg.sessions.get(name)
         return self._session_dir(s) if s else None
 
-    def rmdir(self, name: str) -> None:
-        self.reg.kill(self.reg.get(name))
+    async def rmdir(self, name: str) -> None:
+        rest = self.reg.kill(self.reg.get(name))
+        if rest is not None:
+            await rest
 
-    def rename(self, old: str, new: str) -> None:
-        self.reg.rename(self.reg.get(old), new)
+    async def rename(self, old: str, new: str) -> None:
+        s = self.reg.get(old)
+        self.reg.rename(s, new)
+        await s.sync()
 
 
 def tools_dir(reg: Registry) -> Dir:
-    """``t/``: the tool scripts (read-only here) and the synthetic ``idx``."""
+    """``t/``: what toolsrv serves — the synthetic ``idx`` and each tool's script (read-only
+    here) where this machine has it."""
 
     def entries() -> dict[str, Node]:
         out: dict[str, Node] = {"idx": Text(("t", "idx"), reg.tools_idx_text)}
-        for name, info in sorted(reg.local_tools.tools().items()):
-            out[os.path.basename(info.path)] = Text(("t", name), _reader(info.path))
+        for name in sorted(reg.catalogue):
+            path = reg.tool_script(name)
+            if path is not None:
+                out[name] = Text(("t", name), _reader(path))
         return out
 
-    return StaticDir(("t",), entries)
+    return StaticDir(("t",), entries, refresh=reg.fresh_catalogue)
 
 
-def _reader(path: str) -> Callable[[], str]:
+def _reader(path: Path) -> Callable[[], str]:
     def read() -> str:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -153,7 +212,7 @@ def root(reg: Registry) -> Dir:
         ("/",),
         lambda: {
             "backends": Text(("backends",), reg.backends_text),
-            "help": Text(("help",), lambda: HELP),
+            "help": Text(("help",), lambda: HELP + help_text() + HELP_END),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,
             "t": tools_dir(reg),

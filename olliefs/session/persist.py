@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,39 @@ class Tools(msgspec.Struct, tag="tools"):
     names: list[str]
 
 
+class Dropped(msgspec.Struct, tag="dropped"):
+    """Queued prompts dropped by ``ctl queue clear`` (never run, also not after a restart)."""
+
+    seqs: list[int]
+
+
+class MaxSteps(msgspec.Struct, tag="maxsteps"):
+    n: int
+
+
+class Rewind(msgspec.Struct, tag="rewind"):
+    """The last ``n`` turns left the history; they are kept in ``branches/<branch>/``."""
+
+    n: int
+    branch: int
+
+
 Record = (
-    Create | Prompt | Start | End | Ev | Msg | UsageRec | TurnCost | Cfg | Rename | Clear | Tools
+    Create
+    | Prompt
+    | Start
+    | End
+    | Ev
+    | Msg
+    | UsageRec
+    | TurnCost
+    | Cfg
+    | Rename
+    | Clear
+    | Tools
+    | Dropped
+    | MaxSteps
+    | Rewind
 )
 
 _encoder = msgspec.json.Encoder()
@@ -95,26 +127,45 @@ _decoder = msgspec.json.Decoder(Record)
 
 
 class Journal:
+    """Append-only records; ``sync`` may run in a worker thread while appends go on.
+
+    Appends are counted, and a sync marks as durable only what was appended before it
+    began, so an append that races with a sync in another thread is never taken as
+    synced.
+    """
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._dirty = False
+        self._appended = 0
+        self._synced = 0
+        self._lock = threading.Lock()  # sync and close may run in different threads
 
     def append(self, rec: Record) -> None:
+        if self._fd < 0:
+            return  # closed: the session is gone, and what it still says goes nowhere
         os.write(self._fd, _encoder.encode(rec) + b"\n")
-        self._dirty = True
+        self._appended += 1
+
+    @property
+    def dirty(self) -> bool:
+        """Appended since the last sync (so a sync has something to do)."""
+        return self._appended != self._synced
 
     def sync(self) -> None:
         """Make everything appended so far durable (fsync). Cheap when nothing changed."""
-        if self._dirty:
-            os.fsync(self._fd)
-            self._dirty = False
+        with self._lock:
+            upto = self._appended
+            if upto != self._synced and self._fd >= 0:
+                os.fsync(self._fd)
+                self._synced = max(self._synced, upto)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            self.sync()
-            os.close(self._fd)
-            self._fd = -1
+        self.sync()
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def sync_dir(path: Path) -> None:

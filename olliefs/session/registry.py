@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Mapping
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
 
-from olliefs.agent.chat import GrowingLog
+from olliefs.agent.agent import Services
+from olliefs.agent.config import Cfg, resolve_cwd
+from olliefs.agent.runtime import ToolLink
 from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
+from olliefs.live import GrowingLog
 from olliefs.session import persist
-from olliefs.session.session import Session, journal_path, resolve_cwd
+from olliefs.session.commands import split_request
+from olliefs.session.session import Session, journal_path
 from olliefs.settings import Paths, agent_names, shipped_dir
+from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
-from toolsrv import registry as tools_registry
 from toolsrv.protocol import ToolMeta
-
-if TYPE_CHECKING:
-    from olliefs.agent.runtime import ToolLink
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,11 @@ NEW_TEMPLATE = "".join(f"{k}=\n" for k in NEW_KEYS)
 RESERVED = {"new", "idx"}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 DEFAULT_MODEL = "gpt-4o-mini"
+# The daemon's own attach to toolsrv, for t/idx and tool metadata (never a session uid,
+# which always holds a '-').
+TREE_AGENT = "olliefs_tree"
+SUB = "__"  # <parent>__<child>: a subagent's session name
+CATALOGUE_MAX_AGE = 1.0
 
 
 def new_uid() -> str:
@@ -53,17 +61,31 @@ class Registry:
         self.mountpoint = mountpoint
         self._nursery = nursery
         self.sessions: dict[str, Session] = {}
-        self.events = GrowingLog()
+        self._reserved: set[str] = set()  # names of sessions being created
+        self.max_depth = _int(settings.get("OLLIE_SUBAGENT_DEPTH"), 3)
+        self.logs_dir = paths.state / "logs"
+        self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.events = GrowingLog(self.logs_dir / "events")
         self._backends: dict[str, Backend] = {}
         self._ctxlen: dict[tuple[str, str], int] = {}
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
         self.default_model = settings.get("OLLIE_MODEL") or DEFAULT_MODEL
         self.toolsrv = Toolsrv(paths, self.settings, nursery)
-        # The daemon's own view of the tool dirs, for t/ and for checking tool_load names
-        # before toolsrv is asked (the same dirs a local toolsrv serves).
-        self.local_tools = tools_registry.Registry(
-            [paths.config / "tools", shipped_dir() / "tools"]
+        # What toolsrv serves (t/idx, tool metadata, tool_load names), read over the
+        # daemon's own attach, so a remote toolsrv is listed as it really is.
+        self.catalogue: dict[str, tuple[ToolMeta, dict[str, Any]]] = {}
+        self._catalogue_at = -1e9
+        self._catalogue_lock = trio.Lock()
+        self._tree_link = ToolLink(self.toolsrv, TREE_AGENT, [])
+        self._tree_link.bind(nursery)
+        self.services = Services(
+            backend=self.backend,
+            profile_prompt=self.profile_prompt,
+            tool_meta=self.tool_meta,
+            mountpoint=mountpoint,
+            memory_dir=str(paths.memory),
+            results_root=self.toolsrv.tmp_root,
         )
 
     # ---- backends and profiles ------------------------------------------------------
@@ -76,11 +98,11 @@ class Registry:
             self._backends[name] = pool.make_backend(name, self.settings)
         return self._backends[name]
 
-    async def context_length(self, s: Session) -> int:
-        key = (s.backend_name, s.model)
+    async def context_length(self, backend: str, model: str) -> int:
+        key = (backend, model)
         if key not in self._ctxlen:
             try:
-                self._ctxlen[key] = await s.backend().context_length(s.model)
+                self._ctxlen[key] = await self.backend(backend).context_length(model)
             except BackendError as err:
                 log.info("context length of %s unknown (%s); using the default", key, err)
                 self._ctxlen[key] = self.default_context_length
@@ -119,29 +141,99 @@ class Registry:
         prompt = self.profile(agent).get("prompt", "")
         return prompt if isinstance(prompt, str) else ""
 
-    def tool_meta(self, name: str) -> ToolMeta | None:
-        info = self.local_tools.tools().get(name)
-        return None if info is None else info.meta()
+    async def refresh_tools(self, max_age: float = 0.0) -> None:
+        """Read what toolsrv serves, unless the last read is younger than ``max_age``.
 
-    def known_tools(self, link: ToolLink) -> set[str]:
-        return set(link.catalogue) | set(self.local_tools.tools())
+        toolsrv not reachable: the catalogue stays as it was and the reason is logged;
+        the tree shows what it knew.
+        """
+        async with self._catalogue_lock:
+            if trio.current_time() - self._catalogue_at < max_age:
+                return
+            try:
+                conn = await self._tree_link.conn()
+                self.catalogue = await conn.metas(await conn.names())
+            except ToolsrvError as err:
+                log.warning("tool catalogue not read: %s", err)
+                return
+            self._catalogue_at = trio.current_time()
+
+    async def fresh_catalogue(self) -> None:
+        await self.refresh_tools(CATALOGUE_MAX_AGE)
+
+    def tool_meta(self, name: str) -> ToolMeta | None:
+        got = self.catalogue.get(name)
+        return None if got is None else got[0]
+
+    def known_tools(self, s: Session) -> set[str]:
+        return set(self.catalogue) | set(s.agent.link.catalogue)
 
     def tools_idx_text(self) -> str:
         """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated."""
         out = []
-        for name, info in sorted(self.local_tools.tools().items()):
-            args = msgspec.json.encode(info.args).decode()
-            flag = "parallel" if info.parallel else "serial"
-            out.append(f"{name}\t{info.description}\t{args}\t{info.tier}\t{flag}\n")
+        for name, (meta, schema) in sorted(self.catalogue.items()):
+            args = msgspec.json.encode(schema).decode()
+            flag = "parallel" if meta.parallel else "serial"
+            out.append(f"{name}\t{meta.description}\t{args}\t{meta.tier}\t{flag}\n")
         return "".join(out)
+
+    def tool_script(self, name: str) -> Path | None:
+        """The script of a tool toolsrv serves, where this machine has it (user's first)."""
+        for d in (self.paths.config / "tools", shipped_dir() / "tools"):
+            if (d / name).is_file():
+                return d / name
+        return None
+
+    def log_path(self, uid: str, kind: str) -> Path | None:
+        return self.logs_dir / f"{uid}.{kind}"
+
+    # ---- families: parents, children, siblings (``<parent>__<child>``) ------------------
+
+    def family(self, s: Session) -> list[Session]:
+        """The other sessions of ``s``'s family: its parent, its children, its siblings."""
+        parent = s.id.rpartition(SUB)[0] if SUB in s.id else None
+        out = []
+        for other in self.sessions.values():
+            if other is s:
+                continue
+            up = other.id.rpartition(SUB)[0] if SUB in other.id else None
+            if other.id == parent or up == s.id or (parent is not None and up == parent):
+                out.append(other)
+        return sorted(out, key=lambda o: o.id)
+
+    def children(self, s: Session) -> list[Session]:
+        prefix = s.id + SUB
+        return sorted(
+            (o for o in self.sessions.values() if o.id.startswith(prefix)), key=lambda o: o.id
+        )
+
+    def cost_text(self, s: Session) -> str:
+        """``cost``: the session's own, then one line per subagent (all descendants,
+        their cost included in ``costTotal``)."""
+        totals = s.agent.history.totals
+        lines = [totals.cost_text()]
+        total = totals.session_cost
+        for child in self.children(s):
+            c = child.agent.history.totals.session_cost
+            total += c
+            lines.append(f"child {child.id}=${c:.4f}\n")
+        if len(lines) > 1:
+            lines.append(f"costTotal=${total:.4f}\n")
+        return "".join(lines)
 
     def check_new_name(self, name: str) -> None:
         if not NAME_RE.fullmatch(name) or name in RESERVED:
             raise InvalidRequest(
                 f"bad session name: {name!r} (letters, digits, '.', '_', '-'; not new/idx)"
             )
-        if name in self.sessions:
+        if name in self.sessions or name in self._reserved:
             raise Exists(f"session name taken: {name}")
+        depth = name.count(SUB)
+        if depth > self.max_depth:
+            raise InvalidRequest(
+                f"{name}: subagent depth {depth} is over the limit of {self.max_depth} "
+                "(OLLIE_SUBAGENT_DEPTH)"
+            )
 
     # ---- texts ----------------------------------------------------------------------
 
@@ -162,7 +254,7 @@ class Registry:
     def parse_new(self, text: str) -> dict[str, str]:
         values: dict[str, str] = {}
         seen: set[str] = set()
-        for tok in text.split():
+        for tok in split_request(text, "s/new"):
             key, sep, value = tok.partition("=")
             if not sep:
                 raise InvalidRequest(f"s/new: expected key=value, got {tok!r}")
@@ -185,34 +277,119 @@ class Registry:
             self.check_new_name(values["name"])
         return values
 
-    def create(self, text: str) -> Session:
+    async def create(self, text: str) -> Session:
         """Create a session from an ``s/new`` write; durable before it returns."""
         v = self.parse_new(text)
+        cfg = Cfg(backend=v["backend"], model=v["model"], agent=v["agent"], cwd=v["cwd"])
+        s = await self._make(v.get("name"), cfg, [])
+        s.emit("info", f"session {s.id} created (cwd {s.cwd}, {cfg.backend}/{cfg.model})")
+        return s
+
+    async def fork(self, src: Session, name: str, n: int) -> None:
+        """``ctl fork``: a new session with ``src``'s configuration, tools and first ``n``
+        history messages. All or nothing: until the new journal is durable, nothing of
+        the fork is visible, and a failure leaves no trace of it."""
+        extra: list[persist.Record] = [
+            persist.Cfg({k: v for k, v in src.cfg.values().items() if k != "agent"}),
+            persist.Tools(list(src.agent.link.wanted)),
+            persist.MaxSteps(src.agent.max_steps),
+            *(persist.Msg(m) for m in src.agent.history.messages[:n]),
+        ]
+        s = await self._make(name, src.cfg, extra)
+        s.emit("info", f"forked from {src.id} with its first {n} messages")
+        src.emit("info", f"forked into {s.id} with the first {n} messages")
+
+    async def _make(self, name: str | None, cfg: Cfg, extra: list[persist.Record]) -> Session:
+        """A new session from a create record plus ``extra`` records, made durable (in a
+        worker thread) before it appears; its name is reserved meanwhile, so a second
+        request for the same name fails with EEXIST instead of racing this one."""
         uid = new_uid()
-        sid = v.get("name", uid)
+        sid = name or uid
+        self._reserved.add(sid)
         path = journal_path(self.paths.sessions, uid)
-        journal = persist.Journal(path)
-        rec = persist.Create(uid, sid, v["cwd"], v["backend"], v["model"], v["agent"], time.time())
-        journal.append(rec)
-        journal.sync()
-        persist.sync_dir(self.paths.sessions)
-        s = self._from_create(rec, journal)
-        s.emit("info", f"session {sid} created (cwd {s.cwd}, {s.backend_name}/{s.model})")
+        try:
+            journal = persist.Journal(path)
+            rec = persist.Create(uid, sid, cfg.cwd, cfg.backend, cfg.model, cfg.agent, time.time())
+            for r in (rec, *extra):
+                journal.append(r)
+
+            def durable() -> None:
+                journal.sync()
+                persist.sync_dir(self.paths.sessions)
+
+            await trio.to_thread.run_sync(durable)
+            s = self._from_create(rec, journal)
+            s.replay(list(extra))
+        except BaseException:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            raise
+        finally:
+            self._reserved.discard(sid)
         self._start(s)
         return s
 
+    async def save(self, s: Session) -> None:
+        """``ctl save``: the chat so far as ``tr/<stamp>-<id>.md``."""
+        size = len(s.chat)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
+        dest = self.paths.transcripts / f"{stamp}-{s.id}.md"
+
+        def write() -> None:
+            data = s.chat.read(0, size)
+            tmp = dest.with_suffix(".md.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+            persist.sync_dir(self.paths.transcripts)
+
+        await trio.to_thread.run_sync(write)
+        s.emit("info", f"saved to tr/{dest.name}")
+
+    def branches_dir(self, s: Session) -> Path:
+        return self.paths.state / "branches" / s.uid
+
+    async def rewind(self, s: Session, n: int) -> None:
+        """``ctl rewind``: the last ``n`` turns leave the history at once; what the
+        history and chat were before is written to ``branches/<k>/`` before the write
+        returns (the journal holds every message too, so a crash in between loses
+        nothing)."""
+        before = list(s.agent.history.messages)
+        chat_size = len(s.chat)
+        root = self.branches_dir(s)
+        k = s.branches + 1
+        s.branches = k
+        s.rewind_to(n, k)
+
+        def write() -> None:
+            d = root / str(k)
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ctx = b"".join(msgspec.json.encode(m) + b"\n" for m in before)
+            for name, data in (("context", ctx), ("chat", s.chat.read(0, chat_size))):
+                with open(d / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            persist.sync_dir(d)
+
+        await trio.to_thread.run_sync(write)
+
+    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]:
+        """A ``!cmd`` prompt: bash through toolsrv's ``execute_code``, sandboxed like any
+        tool (the user typed it, but a prompt can also come from an agent or a peer)."""
+        link = self._tree_link
+        if "execute_code" not in link.wanted:
+            link.set_wanted([*link.wanted, "execute_code"])
+        result = await link.call("execute_code", {"code": cmd, "language": "bash"}, cwd, env)
+        return result.text.rstrip("\n"), result.isError
+
     def _from_create(self, rec: persist.Create, journal: persist.Journal) -> Session:
-        return Session(
-            self,
-            journal,
-            uid=rec.uid,
-            id=rec.id,
-            cwd=rec.cwd,
-            backend=rec.backend,
-            model=rec.model,
-            agent=rec.agent,
-            created=rec.ts,
-        )
+        cfg = Cfg(backend=rec.backend, model=rec.model, agent=rec.agent, cwd=rec.cwd)
+        return Session(self, journal, uid=rec.uid, id=rec.id, cfg=cfg, created=rec.ts)
 
     def _start(self, s: Session) -> None:
         self.sessions[s.id] = s
@@ -224,23 +401,41 @@ class Registry:
         self.check_new_name(new)
         old = s.id
         s.record(persist.Rename(new))
-        s.journal.sync()
         del self.sessions[old]
         s.id = new
         self.sessions[new] = s
         s.emit("info", f"renamed from {old} to {new}")
 
-    def kill(self, s: Session) -> None:
-        """Stop the session and move its journal to the transcripts (nothing is lost)."""
+    def kill(self, s: Session) -> Awaitable[None] | None:
+        """Stop the session and move its journal to the transcripts (nothing is lost).
+
+        The session leaves the tree at once; closing its journal (an fsync), moving it
+        and syncing the directories happen in a worker thread, in what the returned
+        awaitable runs (``rm -r`` and ``ctl kill`` await it before they return).
+        """
         if self.sessions.get(s.id) is not s:
-            return
+            return None
         del self.sessions[s.id]
         s.emit("info", "session killed")
         s.close()
+        s.discard()
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
         dest = self.paths.transcripts / f"{stamp}-{s.id}.jsonl"
-        shutil.move(s.journal.path, dest)
-        persist.sync_dir(self.paths.sessions)
+
+        return self._keep(s, dest)
+
+    async def _keep(self, s: Session, dest: Path) -> None:
+        # The fsync in a worker thread; the close itself here, on the thread that appends,
+        # so no append can meet a descriptor closed (or reused) under it.
+        await trio.to_thread.run_sync(s.journal.sync)
+        s.journal.close()
+
+        def move() -> None:
+            shutil.move(s.journal.path, dest)
+            persist.sync_dir(self.paths.transcripts)
+            persist.sync_dir(self.paths.sessions)
+
+        await trio.to_thread.run_sync(move)
 
     def restore(self) -> None:
         """Bring back every journalled session (at daemon start)."""
@@ -267,6 +462,8 @@ class Registry:
         """Close every session and backend; safe to call again (signal, then shutdown)."""
         for s in list(self.sessions.values()):
             s.close()
+            s.journal.close()
+        self._tree_link.close()
         self.events.close()
         await self.toolsrv.aclose()
         backends, self._backends = list(self._backends.values()), {}

@@ -1,223 +1,182 @@
-"""A session: the stable host of one agent, its logs, its queue and its journal.
+"""A session: the tree-facing host of one agent — its logs, state, queue and journal.
 
 Everything a session shows in the tree is derived here: ``chat`` and ``events`` are
 ``GrowingLog``s fed by ``emit``, ``state`` is a ``StateCell``, the rest are small texts.
-Every change goes to the journal first, so that replaying it (``restore``) rebuilds the
-same session after a crash.
+The agent itself (history, tools, backend, model, parameters, the turn) is an ``Agent``
+(``olliefs.agent.agent``) that reports back through this session. Every change goes to
+the journal first, so that replaying it (``replay``) rebuilds the same session after a
+crash.
 
 Control requests (``ctl``, ``cfg``) are validated whole before anything is applied: a
-write holding several lines either applies all of them or none (SPEC 3.7).
+write holding several lines either applies all of them or none (SPEC 3.7). The ctl
+commands are entries of the table in ``commands.py``; ``cfg`` is one typed record
+(``olliefs.agent.config.Cfg``). Durability waits (fsync) run in a worker thread, never on
+the thread that serves the mount.
+
+The session reaches the rest of the daemon only through ``SessionHost``, a protocol the
+registry implements, so this module does not import the registry.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import msgspec
 import trio
 
-from olliefs.agent.chat import ChatRenderer, GrowingLog
-from olliefs.agent.dispatch import tool_env
+from olliefs.agent.agent import Agent, Services
+from olliefs.agent.chat import ChatRenderer
+from olliefs.agent.config import KEYS, PARAM_KEYS, Cfg, parse_param, resolve_cwd
 from olliefs.agent.events import Event, EventRole, encode_line
-from olliefs.agent.history import History
-from olliefs.agent.loop import run_turn
+from olliefs.agent.loop import TurnEnded
 from olliefs.agent.retry import RetryPolicy
-from olliefs.agent.runtime import ToolLink, preamble
-from olliefs.agent.state import StateCell
-from olliefs.backend.base import Backend, BackendError, GenerationParams, Message, Usage
+from olliefs.agent.runtime import ToolLink
+from olliefs.backend.base import BackendError, Message, Usage
 from olliefs.errors import Busy, InvalidRequest
-from olliefs.session import persist
+from olliefs.live import GrowingLog, StateCell
+from olliefs.memory import give_back
+from olliefs.session import commands, persist
+from olliefs.session.commands import Apply
 from olliefs.session.persist import Journal, Record
-
-if TYPE_CHECKING:
-    from olliefs.session.registry import Registry
+from olliefs.toolclient.client import ToolsrvError
+from olliefs.toolclient.spawn import Toolsrv
 
 log = logging.getLogger(__name__)
 
-# cfg key -> (GenerationParams field, parser)
-PARAMS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "maxTokens": ("max_tokens", int),
-    "temperature": ("temperature", float),
-    "frequencyPenalty": ("frequency_penalty", float),
-    "presencePenalty": ("presence_penalty", float),
-}
-CFG_KEYS = ("state", "backend", "model", "agent", "cwd", *PARAMS)
 
-Apply = Callable[[], None]
-_json = msgspec.json.Encoder()
+class SessionHost(Protocol):
+    """What a session needs from the daemon (the registry implements it)."""
 
+    @property
+    def settings(self) -> Mapping[str, str]: ...
 
-def resolve_cwd(value: str) -> str:
-    """``~`` expanded; must be absolute and an existing directory."""
-    path = os.path.expanduser(value)
-    if not os.path.isabs(path):
-        raise InvalidRequest(f"cwd must be an absolute path: {value}")
-    if not os.path.isdir(path):
-        raise InvalidRequest(f"cwd is not an existing directory: {value}")
-    return os.path.normpath(path)
+    @property
+    def mountpoint(self) -> str: ...
 
+    @property
+    def events(self) -> GrowingLog: ...
 
-def parse_param(key: str, value: str) -> Any:
-    if value == "":
-        return None
-    field, parse = PARAMS[key]
-    try:
-        v = parse(value)
-    except ValueError:
-        raise InvalidRequest(f"{key}: not a number: {value}") from None
-    if isinstance(v, float) and not math.isfinite(v):
-        raise InvalidRequest(f"{key}: not a finite number: {value}")
-    if field == "max_tokens" and v <= 0:
-        raise InvalidRequest(f"{key} must be positive: {value}")
-    return v
+    @property
+    def services(self) -> Services: ...
+
+    @property
+    def toolsrv(self) -> Toolsrv: ...
+
+    def check_new_name(self, name: str) -> None: ...
+
+    def check_backend(self, name: str) -> None: ...
+
+    def check_agent(self, name: str) -> None: ...
+
+    def rename(self, s: Session, new: str) -> None: ...
+
+    async def fork(self, src: Session, name: str, n: int) -> None: ...
+
+    async def save(self, s: Session) -> None: ...
+
+    async def rewind(self, s: Session, n: int) -> None: ...
+
+    def kill(self, s: Session) -> Awaitable[None] | None: ...
+
+    def known_tools(self, s: Session) -> set[str]: ...
+
+    async def refresh_tools(self) -> None: ...
+
+    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]: ...
+
+    async def context_length(self, backend: str, model: str) -> int: ...
+
+    def profile_tools(self, agent: str) -> list[str]: ...
+
+    def log_path(self, uid: str, kind: str) -> Path | None: ...
 
 
 class Session:
     def __init__(
         self,
-        registry: Registry,
+        host: SessionHost,
         journal: Journal,
         *,
         uid: str,
         id: str,
-        cwd: str,
-        backend: str,
-        model: str,
-        agent: str,
+        cfg: Cfg,
         created: float,
     ) -> None:
-        self.registry = registry
+        self.host = host
         self.journal = journal
         self.uid = uid
         self.id = id
-        self.cwd = cwd
-        self.backend_name = backend
-        self._model = model
-        self.agent = agent
         self.created = created
-        self.gen: dict[str, Any] = {}  # GenerationParams fields that are set
-        self.chat = GrowingLog()
+        self.chat = GrowingLog(host.log_path(uid, "chat"))
         self.renderer = ChatRenderer(self.chat)
-        self.events = GrowingLog()
+        self.events = GrowingLog(host.log_path(uid, "events"))
         self.state = StateCell()
-        self.history = History()
-        self.retry = RetryPolicy.from_settings(registry.settings)
-        self.max_steps = 50
         self.prompt_prev = ""
         self.queue: deque[tuple[int, str]] = deque()
         self._queue_lot = trio.lowlevel.ParkingLot()
         self._seq = 0
         self._running_seq: int | None = None
         self._turn_scope: trio.CancelScope | None = None
-        self._turn_cost = 0.0
         self._scope = trio.CancelScope()
         self.closed = False
-        self.context_length = registry.default_context_length
         self._replaying = False
-        self.link = ToolLink(registry.toolsrv, uid, registry.profile_tools(agent))
-        self.link.on_dropped = self._tool_dropped
+        # History index where each turn began (its prompt), for ``rewind``.
+        self.turn_starts: list[int] = []
+        self.branches = 0  # how many rewinds kept a branch
+        link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
+        link.on_dropped = self._tool_dropped
+        self.agent = Agent(
+            self,
+            host.services,
+            uid=uid,
+            cfg=cfg,
+            link=link,
+            retry=RetryPolicy.from_settings(host.settings),
+            context_length=int(host.settings.get("OLLIE_CONTEXT_LENGTH") or 128000),
+        )
+        self.agent.max_session_cost = _cost_cap(host.settings.get("OLLIE_MAX_SESSION_COST"))
 
     # ---- identity and derived texts -------------------------------------------------
 
     @property
-    def model(self) -> str:
-        return self._model
+    def cfg(self) -> Cfg:
+        return self.agent.cfg
+
+    @property
+    def cwd(self) -> str:
+        return self.agent.cfg.cwd
 
     @property
     def running(self) -> bool:
         return self._running_seq is not None
 
-    def backend(self) -> Backend:
-        return self.registry.backend(self.backend_name)
-
-    def params(self) -> GenerationParams:
-        return GenerationParams(**self.gen)
-
     def cfg_text(self) -> str:
-        lines = [
-            f"state={self.state.value}",
-            f"backend={self.backend_name}",
-            f"model={self.model}",
-            f"agent={self.agent}",
-            f"cwd={self.cwd}",
-        ]
-        for key, (field, _) in PARAMS.items():
-            v = self.gen.get(field)
-            lines.append(f"{key}={'' if v is None else v}")
-        return "\n".join(lines) + "\n"
-
-    def ctxsz_text(self) -> str:
-        est = self.history.totals.last_context_tokens or self.history.estimate()
-        pct = 100.0 * est / self.context_length if self.context_length else 0.0
-        return f"{est} / {self.context_length} ({pct:.0f}%)\n"
-
-    def context_text(self) -> str:
-        return "".join(_json.encode(m).decode() + "\n" for m in self.history.messages)
+        return self.cfg.text(self.state.value)
 
     def env_text(self) -> str:
+        c = self.cfg
         return (
             f"OLLIE_SESSION_ID={self.id}\n"
-            f"OLLIE={self.registry.mountpoint}\n"
-            f"OLLIE_AGENT={self.agent}\n"
-            f"OLLIE_BACKEND={self.backend_name}\n"
-            f"OLLIE_MODEL={self.model}\n"
-            f"OLLIE_CWD={self.cwd}\n"
+            f"OLLIE={self.host.mountpoint}\n"
+            f"OLLIE_AGENT={c.agent}\n"
+            f"OLLIE_BACKEND={c.backend}\n"
+            f"OLLIE_MODEL={c.model}\n"
+            f"OLLIE_CWD={c.cwd}\n"
         )
 
     def tail_script(self) -> str:
         # Relative to the script itself, so it keeps working after a rename.
         return '#!/bin/sh\n# follow this session live\nexec cat "$(dirname "$0")/stream"\n'
 
-    def tools_text(self) -> str:
-        """``tools``: the loaded tools, with tier and parallel flag (SPEC 3.3)."""
-        lines = []
-        for name in self.link.wanted:
-            meta = self.link.metas.get(name) or self.registry.tool_meta(name)
-            if meta is None:
-                lines.append(f"{name}\t?\t?\n")
-            else:
-                flag = "parallel" if meta.parallel else "serial"
-                lines.append(f"{name}\t{meta.tier}\t{flag}\n")
-        return "".join(lines)
-
-    def systemprompt_text(self) -> str:
-        return preamble(
-            session_id=self.id,
-            cwd=self.cwd,
-            profile_prompt=self.registry.profile_prompt(self.agent),
-            link=self.link,
-        )
-
-    def request_messages(self) -> list[Message]:
-        return [Message("system", self.systemprompt_text()), *self.history.for_model()]
-
-    def tool_env(self) -> dict[str, str]:
-        return tool_env(
-            mountpoint=self.registry.mountpoint,
-            session_id=self.id,
-            agent=self.agent,
-            cwd=self.cwd,
-            memory_dir=str(self.registry.paths.memory),
-        )
-
-    def results_dir(self) -> Path:
-        return self.registry.toolsrv.tmp_root / self.id / "results"
-
-    async def checkpoint(self) -> None:
-        """After each tool round: the journal reaches the disk (SPEC 4 persistence)."""
-        await self.sync()
-
     def idx_line(self) -> str:
-        return f"{self.id}\t{self.state.value}\t{self.cwd}\t{self.backend_name}\t{self.model}\n"
+        c = self.cfg
+        return f"{self.id}\t{self.state.value}\t{c.cwd}\t{c.backend}\t{c.model}\n"
 
-    # ---- output ---------------------------------------------------------------------
+    # ---- output (also the AgentHost side) -------------------------------------------
 
     def record(self, rec: Record) -> None:
         if not self._replaying:
@@ -234,20 +193,20 @@ class Session:
         self.renderer.render(ev)
         line = encode_line(ev)
         self.events.append(line)
-        self.registry.events.append(line)
+        self.host.events.append(line)
 
     def set_state(self, state: str) -> None:
         if self.state.set(state):
             self.emit("state", state)
 
-    def add_message(self, msg: Message) -> None:
+    def message_added(self, msg: Message) -> None:
         self.record(persist.Msg(msg))
-        self.history.append(msg)
 
-    def add_usage(self, usage: Usage, cost: float, estimated: bool) -> None:
+    def usage_added(self, usage: Usage, cost: float, estimated: bool) -> None:
         self.record(persist.UsageRec(usage, cost, estimated))
-        self.history.totals.add(usage, cost, estimated)
-        self._turn_cost += cost
+
+    async def checkpoint(self) -> None:
+        await self.sync()
 
     def error(self, message: str) -> None:
         self.emit("error", message)
@@ -255,9 +214,17 @@ class Session:
     # ---- prompts and the turn runner ------------------------------------------------
 
     async def submit(self, text: str) -> None:
-        """Acknowledge a prompt: journal it, fsync, show its ``user:`` line, queue it."""
+        """Acknowledge a prompt: journal it, fsync, show its ``user:`` line, queue it.
+
+        ``/cmd`` is a ctl command, run at once (``/stop`` stops the running turn);
+        ``!cmd`` is a shell command, queued like a prompt and run in the session's cwd
+        under toolsrv's sandbox when its turn comes, its output added to the context.
+        """
         text = text.strip()
         if not text or self.closed:
+            return
+        if text.startswith("/"):
+            await self.ctl(text[1:])
             return
         self._seq += 1
         seq = self._seq
@@ -270,13 +237,15 @@ class Session:
         self.set_state("thinking")  # running or queued, as soon as it is acknowledged
 
     async def sync(self) -> None:
-        await trio.to_thread.run_sync(self.journal.sync)
+        """The journal to the disk, in a worker thread (an fsync stalls nobody else)."""
+        if self.journal.dirty:
+            await trio.to_thread.run_sync(self.journal.sync)
 
     async def run(self) -> None:
         """The session's life: run queued prompts one at a time until it is killed."""
         with self._scope:
             async with trio.open_nursery() as nursery:
-                self.link.bind(nursery)  # the toolsrv connection lives in here
+                self.agent.link.bind(nursery)  # the toolsrv connection lives in here
                 try:
                     while True:
                         while not self.queue:
@@ -284,20 +253,26 @@ class Session:
                         seq, text = self.queue.popleft()
                         await self._run_one(seq, text)
                 finally:
-                    self.link.close()
+                    self.agent.link.close()
 
     async def _run_one(self, seq: int, text: str) -> None:
         self._running_seq = seq
-        self._turn_cost = 0.0
         self.record(persist.Start(seq))
+        agent = self.agent
         try:
             with trio.CancelScope() as scope:
                 self._turn_scope = scope
-                self.context_length = await self.registry.context_length(self)
-                await run_turn(self, text)
+                if text.startswith("!"):
+                    await self._run_shell(text[1:].strip())
+                    return
+                self.turn_starts.append(len(agent.history.messages))
+                agent.context_length = await self.host.context_length(
+                    agent.cfg.backend, agent.cfg.model
+                )
+                await agent.run(text)
             if scope.cancelled_caught:
                 self.emit("info", "stopped")
-        except BackendError as err:
+        except (BackendError, TurnEnded) as err:
             self.emit("error", str(err))
         except Exception as err:  # a bug must not take the daemon down
             log.exception("turn of session %s failed", self.id)
@@ -306,199 +281,175 @@ class Session:
             self._turn_scope = None
             self._running_seq = None
             self.renderer.end_turn()
-            self.history.totals.last_turn_cost = self._turn_cost
-            self.record(persist.TurnCost(self._turn_cost))
+            agent.history.totals.last_turn_cost = agent.turn_cost
+            self.record(persist.TurnCost(agent.turn_cost))
             self.record(persist.End(seq))
             if not self.queue:
                 self.set_state("idle")
         with trio.CancelScope(shield=True):
             await self.sync()
+        give_back()  # what the turn's pieces occupied goes back to the system
+
+    async def _run_shell(self, cmd: str) -> None:
+        if not cmd:
+            self.error("!: no command")
+            return
+        self.set_state("calling: !")
+        try:
+            text, failed = await self.host.run_shell(cmd, self.cwd, self.agent.tool_env())
+        except ToolsrvError as err:
+            self.error(f"!{cmd}: {err}")
+            return
+        finally:
+            self.set_state("thinking")
+        self.emit("tool", text or "(no output)", name="!")
+        how = "failed" if failed else "printed"
+        self.agent.add_message(
+            Message("user", f"I ran `{cmd}` in {self.cwd}; it {how}:\n{text}".rstrip())
+        )
 
     def stop(self) -> None:
         if self._turn_scope is not None:
             self._turn_scope.cancel()
+
+    def inject(self, text: str, *, replace: bool) -> Awaitable[None] | None:
+        """``inject``/``irw``: text for the running turn's next step; idle, a prompt."""
+        if not self.running:
+            return self.submit(text)
+        agent = self.agent
+        if replace or agent.injection is None:
+            verb = "replaced" if replace and agent.injection is not None else "queued"
+            agent.injection = text
+        else:
+            verb = "added"
+            agent.injection += "\n" + text
+        self.emit("info", f"injection {verb} for the running turn")
+        return None
+
+    def clear_queue(self) -> None:
+        seqs = [seq for seq, _ in self.queue]
+        self.record(persist.Dropped(seqs))
+        self.queue.clear()
+        self.emit("info", f"queue cleared ({len(seqs)} prompt{'' if len(seqs) == 1 else 's'})")
+        if not self.running:
+            self.set_state("idle")
+
+    def set_max_steps(self, n: int | None) -> None:
+        if n is not None:
+            self.record(persist.MaxSteps(n))
+            self.agent.max_steps = n
+        self.emit("info", f"maxsteps {self.agent.max_steps}")
+
+    def turns(self) -> int:
+        return len(self.turn_starts)
+
+    def rewind_to(self, n: int, branch: int) -> None:
+        """Drop the last ``n`` turns from the history (their branch is already on disk)."""
+        cut = self.turn_starts[len(self.turn_starts) - n]
+        del self.agent.history.messages[cut:]
+        del self.turn_starts[len(self.turn_starts) - n :]
+        self.record(persist.Rewind(n, branch))
+        self.emit("info", f"rewound {n} turn{'' if n == 1 else 's'} (kept in branches/{branch})")
 
     def close(self) -> None:
         """Stop everything; wake every reader so blocked reads end with EOF."""
         self.closed = True
         self.stop()
         self._scope.cancel()
-        self.link.close()
+        self.agent.link.close()
         self.chat.close()
         self.events.close()
         self.state.wake()
-        self.journal.close()
+        # The journal is closed by the caller: in a worker thread on kill, at once on
+        # shutdown (its close is an fsync).
+
+    def discard(self) -> None:
+        """After ``close``: give back the memory and the log files (a killed session)."""
+        self.chat.discard()
+        self.events.discard()
+        self.agent.history.clear()
+        give_back()
 
     # ---- control --------------------------------------------------------------------
 
-    def _busy(self, what: str) -> None:
-        if self.running:
-            raise Busy(f"{what}: refused while a turn is running (ctl stop first)")
+    async def ctl(self, text: str) -> None:
+        names = commands.tool_names(text)
+        if any(n not in self.host.known_tools(self) for n in names):
+            await self.host.refresh_tools()  # a tool added since the last look
+        pending = commands.Pending(list(self.agent.link.wanted), self.host.known_tools(self))
+        await self._apply_all(text, lambda line: commands.prepare(self, line, pending))
 
-    def _prepare_ctl(self, line: str, wanted: list[str]) -> Apply:
-        """One ctl line checked; ``wanted`` is the tool list as the earlier lines of the
-        same write leave it (``tool_load a`` then ``tool_unload a`` is valid)."""
-        cmd, _, arg = line.strip().partition(" ")
-        arg = arg.strip()
-        reg = self.registry
+    async def write_cfg(self, text: str) -> None:
+        draft = [self.cfg]  # the record as the earlier lines of this write leave it
+        await self._apply_all(text, lambda line: self._prepare_cfg(line, draft))
 
-        def need_arg() -> str:
-            if not arg:
-                raise InvalidRequest(f"{cmd}: missing argument")
-            return arg
-
-        def no_arg() -> None:
-            if arg:
-                raise InvalidRequest(f"{cmd}: takes no argument")
-
-        if cmd == "stop":
-            no_arg()
-            return self.stop
-        if cmd == "kill":
-            no_arg()
-            return lambda: reg.kill(self)
-        if cmd == "rn":
-            new = need_arg()
-            self._busy("rn")
-            reg.check_new_name(new)
-            return lambda: reg.rename(self, new)
-        if cmd == "backend":
-            name = need_arg()
-            reg.check_backend(name)
-            self._busy("backend")
-            return lambda: self._set_cfg({"backend": name})
-        if cmd == "model":
-            name = need_arg()
-            self._busy("model")
-            return lambda: self._set_cfg({"model": name})
-        if cmd == "cwd":
-            path = resolve_cwd(need_arg())
-            self._busy("cwd")
-            return lambda: self._set_cfg({"cwd": path})
-        if cmd in ("tool_load", "tool_unload"):
-            name = need_arg()
-            if cmd == "tool_load":
-                if name not in self.registry.known_tools(self.link):
-                    raise InvalidRequest(f"tool_load: unknown tool: {name}")
-                if name in wanted:
-                    return lambda: None
-                wanted.append(name)
-            else:
-                if name not in wanted:
-                    raise InvalidRequest(f"tool_unload: not loaded: {name}")
-                wanted.remove(name)
-            verb = "loaded" if cmd == "tool_load" else "unloaded"
-            return lambda: self._set_tools(list(wanted), f"tool {name} {verb}")
-        if cmd == "clear":
-            no_arg()
-            self._busy("clear")
-            return self._clear
-        if not cmd:
-            raise InvalidRequest("empty command")
-        raise InvalidRequest(f"unknown command: {cmd}")
-
-    def ctl(self, text: str) -> None:
-        wanted = list(self.link.wanted)
-        self._apply_all(text, lambda line: self._prepare_ctl(line, wanted))
-
-    def _set_tools(self, names: list[str], info: str) -> None:
-        """The loaded tools changed; toolsrv learns it at the next refresh of the link."""
-        self.record(persist.Tools(names))
-        self.link.set_wanted(names)
-        self.emit("info", info)
-
-    def _tool_dropped(self, name: str, why: str) -> None:
-        self.record(persist.Tools(list(self.link.wanted)))
-        self.emit("error", f"tool {name} unloaded: {why}")
-
-    def write_cfg(self, text: str) -> None:
-        self._apply_all(text, self._prepare_cfg)
-
-    def _apply_all(self, text: str, prepare: Callable[[str], Apply]) -> None:
+    async def _apply_all(self, text: str, prepare: Callable[[str], Apply]) -> None:
         try:
+            commands.check_text(text, "request")
             actions = [prepare(line) for line in text.splitlines() if line.strip()]
         except (InvalidRequest, Busy) as err:
             self.error(str(err))
             raise
-        for act in actions:
-            act()
-        self.journal.sync()
+        later = [a for a in (act() for act in actions) if a is not None]
+        await self.sync()
+        for rest in later:
+            await rest
 
-    def _prepare_cfg(self, line: str) -> Apply:
+    def _prepare_cfg(self, line: str, draft: list[Cfg]) -> Apply:
         key, sep, value = line.strip().partition("=")
         key, value = key.strip(), value.strip()
         if not sep:
             raise InvalidRequest(f"cfg: expected key=value: {line.strip()}")
-        if key not in CFG_KEYS:
-            raise InvalidRequest(f"cfg: unknown key: {key}")
-        current = self.cfg_values()
+        if key not in KEYS:
+            raise InvalidRequest(f"cfg: unknown key: {key} (keys: {' '.join(KEYS)})")
         if key == "state":
             if value != self.state.value:
                 raise InvalidRequest("cfg: state is read-only (use ctl stop)")
             return lambda: None
-        if key in PARAMS:
-            new: Any = parse_param(key, value)
-            field = PARAMS[key][0]
-            if new == self.gen.get(field):
-                return lambda: None
-            self._busy(f"cfg {key}")
-            return lambda: self._set_cfg({key: new})
-        if not value or value == current[key]:
-            return lambda: None
-        if key == "backend":
-            self.registry.check_backend(value)
+        current = draft[0].values()
+        new: Any
+        if key in PARAM_KEYS:
+            new = parse_param(key, value)
+        elif not value:
+            return lambda: None  # an empty value leaves the key as it is
+        elif key == "backend":
+            self.host.check_backend(value)
+            new = value
         elif key == "agent":
-            self.registry.check_agent(value)
+            self.host.check_agent(value)
+            new = value
         elif key == "cwd":
-            value = resolve_cwd(value)
-        self._busy(f"cfg {key}")
-        return lambda: self._set_cfg({key: value})
+            new = resolve_cwd(value)
+        else:
+            new = value
+        if new == current[key]:
+            return lambda: None
+        if self.running:
+            raise Busy(f"cfg {key}: refused while a turn is running (ctl stop first)")
+        draft[0] = draft[0].with_values({key: new})
+        return lambda: self.set_cfg({key: new})
 
-    def cfg_values(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend_name,
-            "model": self.model,
-            "agent": self.agent,
-            "cwd": self.cwd,
-        }
-
-    def _set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
+    def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
         self.record(persist.Cfg(dict(values)))
-        for key, value in values.items():
-            if key == "backend":
-                self.backend_name = value
-            elif key == "model":
-                self._model = value
-            elif key == "agent":
-                self.agent = value
-            elif key == "cwd":
-                self.cwd = value
-            elif key in PARAMS:
-                field = PARAMS[key][0]
-                if value is None:
-                    self.gen.pop(field, None)
-                else:
-                    self.gen[field] = value
-            if announce:
+        self.agent.cfg = self.agent.cfg.with_values(dict(values))
+        if announce:
+            for key, value in values.items():
                 self.emit("info", f"{key} set to {'(unset)' if value is None else value}")
 
-    def _answer_open_calls(self, why: str) -> None:
-        """Tool calls of the last assistant message left without an answer get one, so
-        the history stays valid for the provider (every call answered)."""
-        msgs = self.history.messages
-        last = max((i for i, m in enumerate(msgs) if m.role == "assistant"), default=-1)
-        if last < 0:
-            return
-        answered = {m.tool_call_id for m in msgs[last + 1 :] if m.role == "tool"}
-        for call in msgs[last].tool_calls:
-            if call.id not in answered:
-                text = f"[tool error] {why}"
-                self.emit("tool", text, name=call.name)
-                self.add_message(Message("tool", text, tool_call_id=call.id, name=call.name))
+    def set_tools(self, names: list[str], info: str) -> None:
+        """The loaded tools changed; toolsrv learns it at the next refresh of the link."""
+        self.record(persist.Tools(names))
+        self.agent.link.set_wanted(names)
+        self.emit("info", info)
 
-    def _clear(self) -> None:
+    def _tool_dropped(self, name: str, why: str) -> None:
+        self.record(persist.Tools(list(self.agent.link.wanted)))
+        self.emit("error", f"tool {name} unloaded: {why}")
+
+    def clear(self) -> None:
         self.record(persist.Clear())
-        self.history.clear()
+        self.agent.history.clear()
+        self.turn_starts.clear()
         self.emit("info", "history cleared")
 
     # ---- restore --------------------------------------------------------------------
@@ -509,6 +460,8 @@ class Session:
         started: set[int] = set()
         prompts: dict[int, str] = {}
         ended: set[int] = set()
+        dropped: set[int] = set()
+        history = self.agent.history
         try:
             for rec in records:
                 if isinstance(rec, persist.Prompt):
@@ -517,6 +470,8 @@ class Session:
                     self.prompt_prev = rec.text
                 elif isinstance(rec, persist.Start):
                     started.add(rec.seq)
+                    if not prompts.get(rec.seq, "").startswith("!"):
+                        self.turn_starts.append(len(history.messages))
                 elif isinstance(rec, persist.End):
                     ended.add(rec.seq)
                     self.renderer.end_turn()
@@ -525,30 +480,56 @@ class Session:
                     if rec.ev.role == "state":
                         self.state.set(rec.ev.content)
                 elif isinstance(rec, persist.Msg):
-                    self.history.append(rec.msg)
+                    history.append(rec.msg)
                 elif isinstance(rec, persist.UsageRec):
-                    self.history.totals.add(rec.usage, rec.cost, rec.estimated)
+                    history.totals.add(rec.usage, rec.cost, rec.estimated)
                 elif isinstance(rec, persist.TurnCost):
-                    self.history.totals.last_turn_cost = rec.cost
+                    history.totals.last_turn_cost = rec.cost
                 elif isinstance(rec, persist.Cfg):
-                    self._set_cfg(rec.values, announce=False)
+                    try:
+                        self.set_cfg(rec.values, announce=False)
+                    except InvalidRequest as err:  # a value an older version accepted
+                        log.warning("session %s: journaled cfg ignored: %s", self.id, err)
                 elif isinstance(rec, persist.Rename):
                     self.id = rec.id
                 elif isinstance(rec, persist.Clear):
-                    self.history.clear()
+                    history.clear()
+                    self.turn_starts.clear()
+                elif isinstance(rec, persist.Dropped):
+                    dropped.update(rec.seqs)
+                elif isinstance(rec, persist.MaxSteps):
+                    self.agent.max_steps = rec.n
+                elif isinstance(rec, persist.Rewind):
+                    self.branches = max(self.branches, rec.branch)
+                    cut = self.turn_starts[len(self.turn_starts) - rec.n]
+                    del history.messages[cut:]
+                    del self.turn_starts[len(self.turn_starts) - rec.n :]
                 elif isinstance(rec, persist.Tools):
-                    self.link.set_wanted(rec.names)
+                    self.agent.link.set_wanted(rec.names)
         finally:
             self._replaying = False
         for seq in sorted(started - ended):
             # A turn cut by a crash: closed, never re-run (SPEC 3.7).
-            self._answer_open_calls("interrupted by restart before the tool ended")
+            self.agent.answer_open_calls("interrupted by restart before the tool ended")
             self.emit("info", "interrupted by restart")
             self.renderer.end_turn()
             self.record(persist.End(seq))
-        self.queue.extend((seq, prompts[seq]) for seq in sorted(prompts) if seq not in started)
+        self.queue.extend(
+            (seq, prompts[seq])
+            for seq in sorted(prompts)
+            if seq not in started and seq not in dropped
+        )
         self.set_state("thinking" if self.queue else "idle")
         self.journal.sync()
+
+
+def _cost_cap(value: str | None) -> float | None:
+    try:
+        cap = float(value) if value else None
+    except ValueError:
+        log.warning("OLLIE_MAX_SESSION_COST is not a number: %r; no cap", value)
+        return None
+    return cap if cap is not None and cap >= 0 else None
 
 
 def journal_path(sessions_dir: Path, uid: str) -> Path:

@@ -21,7 +21,7 @@ import msgspec
 import trio
 
 from ninep import NinePError
-from ninep.client import Client
+from ninep.client import Client, ConnectionLost
 from ninep.codec import OREAD, OWRITE
 from toolsrv.protocol import CallRequest, CallResult, ToolMeta, agent_secret
 
@@ -246,3 +246,5 @@ async def connect(socket_path: str, key: bytes, agent_id: str) -> AsyncIterator[
                 nursery.cancel_scope.cancel()
     except OSError as err:
         raise ToolsrvError(f"toolsrv unreachable at {socket_path}: {err.strerror or err}") from None
+    except ConnectionLost as err:  # it went away while we said hello
+        raise ToolsrvError(f"toolsrv at {socket_path}: {err}") from None

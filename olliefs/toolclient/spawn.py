@@ -18,12 +18,12 @@ import secrets
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import trio
 
-from olliefs.settings import Paths
+from olliefs.settings import Paths, private_file
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class Toolsrv:
             "--log-level",
             self.settings.get("OLLIE_TOOLSRV_LOG_LEVEL", "INFO"),
         ]
+        private_file(self.paths.state / "toolsrv.log")
         log_file = open(self.paths.state / "toolsrv.log", "ab")
         try:
             proc = await trio.lowlevel.open_process(
@@ -122,9 +123,26 @@ class Toolsrv:
 
     @asynccontextmanager
     async def connect(self, agent_id: str) -> AsyncIterator[ToolsrvConn]:
-        sock, key = await self._ensure()
-        async with connect(sock, key, agent_id) as conn:
+        async with AsyncExitStack() as stack:
+            for attempt in (1, 2):
+                sock, key = await self._ensure()
+                try:
+                    conn = await stack.enter_async_context(connect(sock, key, agent_id))
+                    break
+                except ToolsrvError:
+                    # A toolsrv killed a moment ago may still look alive (it is exiting
+                    # but not yet reaped): wait for it to go, then spawn a new one.
+                    if attempt == 2 or not await self._gone_after_all():
+                        raise
             yield conn
+
+    async def _gone_after_all(self) -> bool:
+        proc = self._proc
+        if self.remote or proc is None:
+            return False
+        with trio.move_on_after(2):
+            await proc.wait()
+        return proc.returncode is not None
 
     async def aclose(self) -> None:
         proc, self._proc = self._proc, None

@@ -13,6 +13,8 @@ from tests.conftest import Daemon, oserror, script
 
 SESSION_FILES = {
     "prompt",
+    "peer",
+    "branches",
     "prompt.prev",
     "chat",
     "stream",

@@ -1,0 +1,207 @@
+"""The agent: history, tool link, configuration and retry policy — the turn's host.
+
+``loop.run_turn`` defines what a turn needs (``TurnHost``); ``Agent`` is that host. It
+knows nothing of the tree, the journal or other sessions: what it produces goes to its
+``AgentHost`` (the session), which shows it and records it. What it needs from the
+daemon (backends by name, profile prompts, where tools keep their output) comes in as
+``Services``, so an agent can be built and driven in a test without a mount.
+
+Split of responsibilities with the session:
+
+* the agent owns what the model sees and how it is asked: ``cfg`` (backend, model,
+  profile, cwd, generation parameters), ``history``, ``link`` (loaded tools), ``retry``,
+  ``max_steps``, the context length;
+* the session owns how that is shown and kept: logs, state, queue, journal, the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from olliefs.agent.config import Cfg
+from olliefs.agent.dispatch import tool_env
+from olliefs.agent.events import EventRole
+from olliefs.agent.history import History
+from olliefs.agent.loop import run_turn
+from olliefs.agent.retry import RetryPolicy
+from olliefs.agent.runtime import ToolLink, preamble
+from olliefs.backend.base import Backend, GenerationParams, Message, Usage
+from toolsrv.protocol import ToolMeta
+
+_json = msgspec.json.Encoder()
+
+
+class AgentHost(Protocol):
+    """What an agent needs from the session that hosts it."""
+
+    @property
+    def id(self) -> str: ...
+
+    def emit(
+        self, role: EventRole, content: str = "", name: str = "", response_id: str = ""
+    ) -> None: ...
+
+    def set_state(self, state: str) -> None: ...
+
+    def message_added(self, msg: Message) -> None: ...
+
+    def usage_added(self, usage: Usage, cost: float, estimated: bool) -> None: ...
+
+    async def checkpoint(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the daemon lends every agent."""
+
+    backend: Callable[[str], Backend]
+    profile_prompt: Callable[[str], str]
+    tool_meta: Callable[[str], ToolMeta | None]  # from toolsrv's catalogue, when known
+    mountpoint: str
+    memory_dir: str
+    results_root: Path
+
+
+class Agent:
+    def __init__(
+        self,
+        host: AgentHost,
+        services: Services,
+        *,
+        uid: str,
+        cfg: Cfg,
+        link: ToolLink,
+        retry: RetryPolicy,
+        context_length: int,
+    ) -> None:
+        self.host = host
+        self.services = services
+        self.uid = uid
+        self.cfg = cfg
+        self.link = link
+        self.retry = retry
+        self.history = History()
+        self.max_steps = 50
+        self.context_length = context_length
+        self.turn_cost = 0.0
+        self.injection: str | None = None  # ctl inject / irw, taken at the next step
+        self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
+
+    # ---- the turn host --------------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        return self.cfg.model
+
+    @property
+    def cwd(self) -> str:
+        return self.cfg.cwd
+
+    def backend(self) -> Backend:
+        return self.services.backend(self.cfg.backend)
+
+    def params(self) -> GenerationParams:
+        return self.cfg.params()
+
+    def set_state(self, state: str) -> None:
+        self.host.set_state(state)
+
+    def emit(
+        self, role: EventRole, content: str = "", name: str = "", response_id: str = ""
+    ) -> None:
+        self.host.emit(role, content, name, response_id)
+
+    def add_message(self, msg: Message) -> None:
+        self.host.message_added(msg)
+        self.history.append(msg)
+
+    def add_usage(self, usage: Usage, cost: float, estimated: bool) -> None:
+        self.host.usage_added(usage, cost, estimated)
+        self.history.totals.add(usage, cost, estimated)
+        self.turn_cost += cost
+
+    def request_messages(self) -> list[Message]:
+        return [Message("system", self.systemprompt_text()), *self.history.for_model()]
+
+    async def checkpoint(self) -> None:
+        """After each tool round: the journal reaches the disk (SPEC 4 persistence)."""
+        await self.host.checkpoint()
+
+    def take_injection(self) -> str | None:
+        text, self.injection = self.injection, None
+        return text
+
+    def over_budget(self) -> str | None:
+        cap = self.max_session_cost
+        spent = self.history.totals.session_cost
+        if cap is not None and spent >= cap:
+            return (
+                f"session cost ${spent:.4f} reached the cap of ${cap:.4f} "
+                "(OLLIE_MAX_SESSION_COST); the turn ends here"
+            )
+        return None
+
+    def tool_env(self) -> Mapping[str, str]:
+        return tool_env(
+            mountpoint=self.services.mountpoint,
+            session_id=self.host.id,
+            agent=self.cfg.agent,
+            cwd=self.cfg.cwd,
+            memory_dir=self.services.memory_dir,
+        )
+
+    def results_dir(self) -> Path:
+        return self.services.results_root / self.host.id / "results"
+
+    async def run(self, prompt: str) -> None:
+        self.turn_cost = 0.0
+        await run_turn(self, prompt)
+
+    # ---- what the tree shows of it --------------------------------------------------
+
+    def systemprompt_text(self) -> str:
+        return preamble(
+            session_id=self.host.id,
+            cwd=self.cfg.cwd,
+            profile_prompt=self.services.profile_prompt(self.cfg.agent),
+            link=self.link,
+        )
+
+    def ctxsz_text(self) -> str:
+        est = self.history.totals.last_context_tokens or self.history.estimate()
+        pct = 100.0 * est / self.context_length if self.context_length else 0.0
+        return f"{est} / {self.context_length} ({pct:.0f}%)\n"
+
+    def context_text(self) -> str:
+        return "".join(_json.encode(m).decode() + "\n" for m in self.history.messages)
+
+    def tools_text(self) -> str:
+        """``tools``: the loaded tools, with tier and parallel flag (SPEC 3.3)."""
+        lines = []
+        for name in self.link.wanted:
+            meta = self.link.metas.get(name) or self.services.tool_meta(name)
+            if meta is None:
+                lines.append(f"{name}\t?\t?\n")
+            else:
+                flag = "parallel" if meta.parallel else "serial"
+                lines.append(f"{name}\t{meta.tier}\t{flag}\n")
+        return "".join(lines)
+
+    def answer_open_calls(self, why: str) -> None:
+        """Tool calls of the last assistant message left without an answer get one, so
+        the history stays valid for the provider (every call answered)."""
+        msgs = self.history.messages
+        last = max((i for i, m in enumerate(msgs) if m.role == "assistant"), default=-1)
+        if last < 0:
+            return
+        answered = {m.tool_call_id for m in msgs[last + 1 :] if m.role == "tool"}
+        for call in msgs[last].tool_calls:
+            if call.id not in answered:
+                text = f"[tool error] {why}"
+                self.emit("tool", text, name=call.name)
+                self.add_message(Message("tool", text, tool_call_id=call.id, name=call.name))
