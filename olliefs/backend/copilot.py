@@ -86,7 +86,7 @@ class CopilotBackend(OpenAIBackend):
         )
         self._github_token = github_token or None
         if github_token:
-            self._secrets.append(github_token)
+            self._secret(github_token)
         self._token_url = str(parse_base_url(token_url))
         self._fixed_api = api_url is not None
         self._api = str(parse_base_url(api_url or API_URL)).rstrip("/")
@@ -118,7 +118,7 @@ class CopilotBackend(OpenAIBackend):
         reply = await self._get(self._token_url, _TOKEN, "token exchange reply", headers=headers)
         now = self._clock()
         self._token = reply.token
-        self._secrets.append(reply.token)
+        self._secret(reply.token)
         if reply.refresh_in:
             self._renew_at = now + max(reply.refresh_in - 60, 0)
         elif reply.expires_at:

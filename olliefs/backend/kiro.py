@@ -410,7 +410,7 @@ class KiroBackend(HTTPBackend):
         self._access = access_token or None
         self._refresh = refresh_token or None
         if refresh_token:
-            self._secrets.append(refresh_token)
+            self._secret(refresh_token)
         self._auth_url = str(parse_base_url(auth_url))
         self._profile_arn = profile_arn or None
         self._expires = float("inf")
@@ -428,10 +428,10 @@ class KiroBackend(HTTPBackend):
                     json={"refreshToken": self._refresh},
                 )
                 self._access = reply.accessToken
-                self._secrets.append(reply.accessToken)
+                self._secret(reply.accessToken)
                 if reply.refreshToken:
                     self._refresh = reply.refreshToken
-                    self._secrets.append(reply.refreshToken)
+                    self._secret(reply.refreshToken)
                 self._profile_arn = reply.profileArn or self._profile_arn
                 expires = reply.expiresIn or 3600
                 self._expires = self._clock() + max(expires - 300, 0)

@@ -500,6 +500,14 @@ class HTTPBackend:
         """A provider's reading of a 2xx reply that is not a stream (None: not an error)."""
         return None
 
+    def _secret(self, value: str) -> None:
+        """Redact ``value`` from every message from now on. Short-lived tokens replace one
+        another, so only the latest few are kept beside the long-lived ones."""
+        if value and value not in self._secrets:
+            self._secrets.append(value)
+            if len(self._secrets) > 12:
+                del self._secrets[4]
+
     def _bad(self, what: str) -> BadResponseError:
         return BadResponseError(one_line(f"{self.name}: {what}", self._secrets))
 
