@@ -365,7 +365,7 @@ def test_a_thousand_blocked_readers_do_not_stall_the_mount(daemon: Daemon) -> No
         for _ in range(20):
             os.stat(daemon.p("s/many/chat"))
             assert daemon.read("s/many/state") == "idle\n"
-            assert daemon.read("backends") == "openai\n"
+            assert daemon.read("backends").startswith("openai")
     daemon.prompt("many", "wake")
     daemon.wait_idle("many")
     final = daemon.read("s/many/chat").encode()
