@@ -51,6 +51,10 @@ class Request:
 
 class ScriptedBackend:
     name = "scripted"
+    default_model = "scripted"
+
+    def forget(self) -> None:
+        pass
 
     def __init__(self, replies: list[Reply]) -> None:
         self.replies = list(replies)
