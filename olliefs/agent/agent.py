@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Protocol
 
 import msgspec
+import trio
 
+from olliefs.agent.compact import (
+    CompactionFailed,
+    next_snapshot_number,
+    should_compact,
+    write_snapshot,
+)
+from olliefs.agent.compact import compact as run_compaction
+from olliefs.agent.compact import plan as plan_compaction
 from olliefs.agent.config import Cfg
 from olliefs.agent.dispatch import tool_env
 from olliefs.agent.events import EventRole
@@ -30,6 +39,8 @@ from olliefs.agent.history import History
 from olliefs.agent.loop import run_turn
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink, preamble
+from olliefs.agent.safety import Action, Safety
+from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
 from olliefs.backend.base import Backend, GenerationParams, Message, Usage
 from toolsrv.protocol import ToolMeta
 
@@ -53,6 +64,13 @@ class AgentHost(Protocol):
     def usage_added(self, usage: Usage, cost: float, estimated: bool) -> None: ...
 
     async def checkpoint(self) -> None: ...
+
+    @property
+    def plan(self) -> str: ...
+
+    def compactions_dir(self) -> Path: ...
+
+    def history_replaced(self, messages: list[Message], n: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,9 @@ class Agent:
         self.context_length = context_length
         self.turn_cost = 0.0
         self.injection: str | None = None  # ctl inject / irw, taken at the next step
+        self.taskstate = TaskState()
+        self.safety = Safety()
+        self.tool_calls = 0  # tcct: the session's tool calls so far
         self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
 
     # ---- the turn host --------------------------------------------------------------
@@ -145,6 +166,55 @@ class Agent:
                 "(OLLIE_MAX_SESSION_COST); the turn ends here"
             )
         return None
+
+    def turn_started(self, prompt: str) -> None:
+        self.taskstate = start_turn(self.taskstate, prompt)
+        self.safety.start_turn()
+
+    def after_round(self) -> list[Action]:
+        rnd = last_round(self.history.messages)
+        if rnd is None:
+            return []
+        self.tool_calls += len(rnd.reply.tool_calls)
+        self.taskstate = infer(self.taskstate, rnd, self.host.plan)
+        return self.safety.after_round(self.taskstate, failed=rnd.failed, planned=rnd.planned)
+
+    async def compact_if_needed(self, *, overflow: bool = False) -> bool:
+        est = self.history.totals.last_context_tokens or self.history.estimate()
+        if not overflow and not should_compact(est, self.context_length):
+            return False
+        return await self.compact("")
+
+    async def compact(self, focus: str) -> bool:
+        """Compaction that loses nothing: the whole history goes to
+        ``compactions/<n>/`` (fsync'd) before the compacted one replaces it; a failed or
+        malformed answer keeps the old history and says why in chat."""
+        self.set_state("compacting")
+        self.emit("info", "compacting" + (f" (focus: {focus})" if focus else ""))
+        try:
+            p = plan_compaction(
+                self.history.messages, self.taskstate, focus, max_chars=self.context_length * 2
+            )
+            r = await run_compaction(self.backend(), self.cfg.model, p, self.params())
+            where = self.host.compactions_dir()
+            n = next_snapshot_number(where)
+            await trio.to_thread.run_sync(write_snapshot, where, n, p.before, r.summary, r.dropped)
+        except (CompactionFailed, OSError) as err:
+            self.emit("error", f"compaction failed, history kept: {err}")
+            return False
+        finally:
+            self.set_state("thinking")
+        self.history.replace(r.messages)
+        self.taskstate = r.state
+        self.host.history_replaced(r.messages, n)
+        self.emit(
+            "info",
+            f"compacted {len(p.before)} messages into {len(r.messages)} (compactions/{n})",
+        )
+        return True
+
+    def taskstate_text(self) -> str:
+        return to_json(self.taskstate)
 
     def tool_env(self) -> Mapping[str, str]:
         return tool_env(

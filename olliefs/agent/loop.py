@@ -26,9 +26,11 @@ from olliefs.agent.dispatch import ToolHost, run_tools
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History, estimate_tokens
 from olliefs.agent.retry import RetryPolicy
+from olliefs.agent.safety import Abort, Action, Nudge, Reinject
 from olliefs.backend.base import (
     Backend,
     BackendError,
+    ContextOverflowError,
     GenerationParams,
     Message,
     ProviderData,
@@ -77,6 +79,19 @@ class TurnHost(ToolHost, Protocol):
         """Why the turn must end now (a cost cap reached), or None."""
         ...
 
+    def turn_started(self, prompt: str) -> None:
+        """A new turn: TaskState's goal, the safety counters reset."""
+        ...
+
+    def after_round(self) -> list[Action]:
+        """After a tool round: TaskState inferred, what the safety table says to do."""
+        ...
+
+    async def compact_if_needed(self, *, overflow: bool = False) -> bool:
+        """Compact when the context is half full (or the provider said it overflowed);
+        True if the history was compacted."""
+        ...
+
 
 class TurnEnded(Exception):
     """The turn ends early for a reason the user is told (``error:`` line)."""
@@ -90,17 +105,26 @@ SUMMARY_PROMPT = (
 
 async def run_turn(host: TurnHost, prompt: str) -> None:
     host.set_state("thinking")
+    host.turn_started(prompt)
     host.add_message(Message("user", prompt))
     cache = ReadCache()
     await refresh_tools(host)
     for _ in range(host.max_steps):
-        reply = await stream_reply(host)
+        await host.compact_if_needed()
+        try:
+            reply = await stream_reply(host)
+        except ContextOverflowError:
+            # The provider says it does not fit: compact, then try once more.
+            if not await host.compact_if_needed(overflow=True):
+                raise
+            reply = await stream_reply(host)
         host.add_message(reply)
         if not reply.tool_calls and not _inject(host):
             return
         if reply.tool_calls:
             await run_tools(host, reply.tool_calls, cache)
             await refresh_tools(host)
+            _apply_safety(host, host.after_round())
             await host.checkpoint()
             _inject(host)
     host.emit("maxsteps", f"step limit of {host.max_steps} reached: asking for a summary")
@@ -109,6 +133,18 @@ async def run_turn(host: TurnHost, prompt: str) -> None:
     # No tool is run now: calls the model made anyway are dropped from its message, so
     # the history stays valid (every call answered).
     host.add_message(msgspec.structs.replace(final, tool_calls=()))
+
+
+def _apply_safety(host: TurnHost, actions: list[Action]) -> None:
+    """Nudges and re-injected plans become user messages of this turn; an abort ends it.
+    (The step limit is counted by the loop itself, so FinalSummary is not used here.)"""
+    for act in actions:
+        if isinstance(act, Abort):
+            raise TurnEnded(act.reason)
+        if isinstance(act, Nudge | Reinject):
+            what = act.kind if isinstance(act, Nudge) else "plan"
+            host.emit("info", f"safety: {what} nudge")
+            host.add_message(Message("user", act.text))
 
 
 def _inject(host: TurnHost) -> bool:

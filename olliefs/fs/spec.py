@@ -99,6 +99,9 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "tail": Script(("s", u, "tail"), s.tail_script, live, stamp=stamp("tail")),
         "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
         "peer": PeerDir(reg, s),
+        "compactions": DiskDir(("s", u, "compactions"), s.compactions_dir(), "ignore"),
+        "taskstate": text("taskstate", a.taskstate_text),
+        "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
     }
 
 

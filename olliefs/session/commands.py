@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # An action; one that has more to do off the serving thread (an fsync, a file move)
 # returns what the write then awaits before it returns.
 Apply = Callable[[], Awaitable[None] | None]
-Arity = Literal["none", "one", "maybe", "rest"]
+Arity = Literal["none", "one", "maybe", "rest", "any"]
 
 
 @dataclass
@@ -225,6 +225,12 @@ def _rewind(s: Session, arg: str, p: Pending) -> Apply:
     if s.turns() == 0:
         raise InvalidRequest("rewind: no turn to drop")
     return lambda: s.host.rewind(s, n)
+
+
+@command("compact", "any", "compact [focus]: summarize the history (the whole of it is kept)",
+         while_running=False)  # fmt: skip
+def _compact(s: Session, arg: str, p: Pending) -> Apply:
+    return lambda: s.compact(arg)
 
 
 def _count(name: str, arg: str, low: int, high: int) -> int:

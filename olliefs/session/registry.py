@@ -367,6 +367,9 @@ class Registry:
         await trio.to_thread.run_sync(write)
         s.emit("info", f"saved to tr/{dest.name}")
 
+    def compactions_root(self) -> Path:
+        return self.paths.state / "compactions"
+
     def branches_dir(self, s: Session) -> Path:
         return self.paths.state / "branches" / s.uid
 

@@ -80,6 +80,8 @@ class SessionHost(Protocol):
 
     async def rewind(self, s: Session, n: int) -> None: ...
 
+    def compactions_root(self) -> Path: ...
+
     def kill(self, s: Session) -> Awaitable[None] | None: ...
 
     def known_tools(self, s: Session) -> set[str]: ...
@@ -220,6 +222,23 @@ class Session:
         self.last_error = reason
         log.info("session %s: refused: %s", self.id, reason)
         self.error(reason)
+
+    def compactions_dir(self) -> Path:
+        return self.host.compactions_root() / self.uid
+
+    def history_replaced(self, messages: list[Message], n: int) -> None:
+        self.record(persist.Replaced(messages, n))
+        self.turn_starts = [0]  # the compacted history is one turn's start
+
+    async def compact(self, focus: str) -> None:
+        if self.running:
+            raise Busy("compact: refused while a turn is running")
+        self.set_state("compacting")
+        try:
+            await self.agent.compact(focus)
+        finally:
+            self.set_state("idle" if not self.queue else "thinking")
+        await self.sync()
 
     def set_plan(self, text: str) -> None:
         self.record(persist.Plan(text))
@@ -508,6 +527,7 @@ class Session:
                         self.state.set(rec.ev.content)
                 elif isinstance(rec, persist.Msg):
                     history.append(rec.msg)
+                    self.agent.tool_calls += len(rec.msg.tool_calls)
                 elif isinstance(rec, persist.UsageRec):
                     history.totals.add(rec.usage, rec.cost, rec.estimated)
                 elif isinstance(rec, persist.TurnCost):
@@ -524,6 +544,9 @@ class Session:
                     self.turn_starts.clear()
                 elif isinstance(rec, persist.Dropped):
                     dropped.update(rec.seqs)
+                elif isinstance(rec, persist.Replaced):
+                    history.replace(rec.messages)
+                    self.turn_starts = [0]
                 elif isinstance(rec, persist.Plan):
                     self.plan = rec.text
                 elif isinstance(rec, persist.MaxSteps):
