@@ -275,11 +275,18 @@ def cmd_umount(args: argparse.Namespace) -> int:
             raise CliError("a daemon holds the state lock but left no pid file")
         _stop(pid, mnt)
         return 0
-    # No daemon of this state dir: the default mount point, if something is left there.
+    # No daemon of this state dir: a dead mount it left at the default mount point is
+    # cleared; a live one there belongs to another state dir and is only named.
     mnt = mounts.canonical(default_mountpoint())
-    if mounts.status(mnt).state in (mounts.State.ABSENT, mounts.State.FOREIGN):
-        raise CliError("not mounted")
-    return _umount_point(mnt)
+    st = mounts.status(mnt)
+    if st.state is mounts.State.DEAD:
+        return _umount_point(mnt)
+    if st.state is mounts.State.LIVE:
+        raise CliError(
+            f"not mounted by this state dir ({p.state}); to end the mount at {mnt}"
+            f" all the same: {PROG} umount {mnt}"
+        )
+    raise CliError("not mounted")
 
 
 # Exit codes of `ollie status`, as documented in ollie(1).
@@ -473,10 +480,8 @@ def cmd_replay(argv: list[str]) -> int:
     return run_cli(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["replay-server"]:
-        return cmd_replay(argv[1:])
+def parser() -> argparse.ArgumentParser:
+    """Every subcommand and flag (ollie(1) and the bash completion are checked against it)."""
     ap = argparse.ArgumentParser(prog=PROG, description="olliefs: an agent runtime as a file tree")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("mount", help="mount the tree (daemonizes; -f stays in the foreground)")
@@ -510,7 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     mp.add_argument("--path", action="store_true", help="print the page's file instead")
     mp.set_defaults(fn=cmd_man)
     sub.add_parser("replay-server", help="run the replay LLM server (see --help)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["replay-server"]:
+        return cmd_replay(argv[1:])
+    args = parser().parse_args(argv)
     try:
         return int(args.fn(args))
     except CliError as err:
