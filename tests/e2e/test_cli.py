@@ -358,8 +358,7 @@ def test_doctor_says_what_fails_and_how_to_fix_it(
         f"FAIL runtime dir: {run} is 0755: others can look in -> fix: chmod 0700 {run}"
     )
     assert lines["backend"].startswith(
-        f"FAIL backend: openai: http://127.0.0.1:{port}/v1/models"
-        " cannot be reached ("
+        f"FAIL backend: openai: http://127.0.0.1:{port}/v1/models cannot be reached ("
     )
     assert lines["backend"].endswith(
         "-> fix: check OLLIE_OPENAI_URL and that the server runs and is reachable from here"
@@ -450,6 +449,47 @@ def test_install_helpers(tmp_path: Path) -> None:
     assert (home / ".local/share/bash-completion/completions/ollie").is_file()
     assert (home / ".local/share/man/man5/ollie.5").is_file()
     assert "mount.fuse.ollie" not in r.stdout  # /sbin is root's
+
+
+def test_systemd_unit_syntax(tmp_path: Path) -> None:
+    """Where systemd-analyze is missing this is the check: sections and keys of the unit
+    as installed, and a command that exists (systemd needs an absolute path to run)."""
+    prefix = tmp_path / "usr"
+    subprocess.run(
+        [OLLIE, "install-helpers", "--prefix", str(prefix), "--sbindir", str(tmp_path)],
+        capture_output=True,
+        check=True,
+    )
+    known = {
+        "Unit": {"Description", "Documentation"},
+        "Service": {
+            "Type",
+            "NotifyAccess",
+            "Environment",
+            "ExecStart",
+            "KillMode",
+            "TimeoutStopSec",
+            "Restart",
+            "RestartSec",
+        },
+        "Install": {"WantedBy"},
+    }
+    section = ""
+    seen: dict[str, str] = {}
+    for line in (prefix / "lib/systemd/user/ollie.service").read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if m := re.fullmatch(r"\[(\w+)\]", line):
+            section = m.group(1)
+            assert section in known, line
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and key in known[section], line
+        seen[key] = value
+    assert seen["Type"] == "notify" and seen["WantedBy"] == "default.target"
+    command = seen["ExecStart"].split()
+    assert command[1:] == ["mount", "-f"] and os.path.isabs(command[0])
+    assert os.access(command[0], os.X_OK)
 
 
 @pytest.mark.skipif(
