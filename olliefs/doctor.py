@@ -351,10 +351,11 @@ def check_stale_mounts() -> Result:
         elif st.state is mounts.State.LIVE:
             pid = f" (daemon pid {st.daemon.pid})" if st.daemon else ""
             live.append(m.point + pid)
+    also = f"; live: {', '.join(live)}" if live else ""
     if dead:
         fixes = "; ".join(f"ollie umount {p}" for p in dead)
-        return fail(name, f"dead (their daemons are gone): {', '.join(dead)}", fixes)
-    return ok(name, "none" + (f"; live: {', '.join(live)}" if live else ""))
+        return fail(name, f"dead (their daemons are gone): {', '.join(dead)}{also}", fixes)
+    return ok(name, "none" + also)
 
 
 # ---- shipped defaults the user shadows -------------------------------------------------
