@@ -69,7 +69,8 @@ _ollie() {
         esac ;;
     man)
         flags="--path -h --help"
-        words="ollie ollie.1 ollie.5 toolsrv toolsrv.8 ollie-replay ollie-replay.1 1 5 8" ;;
+        words="ollie ollie.1 ollie.5 ollie-agent ollie-agent.5 toolsrv toolsrv.8 ollie-replay
+            ollie-replay.1 1 5 8" ;;
     replay-server)
         if [[ -z $_ollie_replay_flags ]]; then
             _ollie_replay_flags=$("${COMP_WORDS[0]}" replay-server --help 2>/dev/null |

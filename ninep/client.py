@@ -55,7 +55,6 @@ from ninep.codec import (
     Tcreate,
     Tflush,
     Topen,
-    Transport,
     Tread,
     Tremove,
     Tstat,
@@ -67,6 +66,7 @@ from ninep.codec import (
     decode_stats,
     encode,
 )
+from ninep.transport import Transport
 
 DEFAULT_MSIZE = (1 << 16) + IOHDRSZ  # 64 KiB of payload per read/write
 FLUSH_TIMEOUT = 5.0  # seconds a cancelled call waits for Rflush (shielded)

@@ -1,11 +1,12 @@
 """A 9P2000 file-server framework for trio: the protocol is here, the tree is the app's.
 
-The application implements ``FileSystem`` (usually by subclassing ``BaseFileSystem``):
-nodes and handles are its own objects, the server only keeps them in per-connection fid
-tables and calls back. Everything 9P-specific lives here so each application does not
-get it subtly wrong again: version negotiation and session reset (version(5)), fid
-bookkeeping, partial walks (walk(5)), open-mode checks (open(5)), directory reads in whole
-entries with the offset rule (read(5)), and real cancellation on Tflush (flush(5)).
+The application implements ``FileSystem`` (usually by subclassing ``BaseFileSystem``),
+generic over its own node and handle types: the server only keeps them in per-connection
+fid tables and calls back, so an app's methods take its own classes. Everything
+9P-specific lives here so each application does not get it subtly wrong again: version
+negotiation and session reset (version(5)), fid bookkeeping, partial walks (walk(5)),
+open-mode checks (open(5)), directory reads in whole entries with the offset rule
+(read(5)), and real cancellation on Tflush (flush(5)).
 
 Concurrency model: the connection's reader task decodes frames in order and starts one
 task per T-message, so a read that blocks (a tool's result, a pipe) does not stall the
@@ -30,9 +31,8 @@ import logging
 import os
 import socket as _socket
 import stat as _stat
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import trio
 
@@ -77,7 +77,6 @@ from ninep.codec import (
     Tflush,
     TMessage,
     Topen,
-    Transport,
     Tread,
     Tremove,
     Tstat,
@@ -89,10 +88,16 @@ from ninep.codec import (
     encode,
     encode_stat,
 )
+from ninep.transport import Transport
 
 logger = logging.getLogger("ninep.server")
 
 MIN_MSIZE = 256  # room for headers, an Rerror and a typical stat; smaller is refused
+
+# The application's node and handle types. A server is generic over them, so an app's
+# methods take its own classes and need no casts or ``type: ignore[override]``.
+N = TypeVar("N")
+H = TypeVar("H")
 
 # fid states
 _FRESH = 0  # walked/attached, not open
@@ -100,95 +105,99 @@ _OPENING = 1  # Topen/Tcreate under way
 _OPEN = 2
 
 
-class FileSystem(Protocol):
-    """What the application provides. Nodes and handles are the application's objects.
+class FileSystem(Protocol[N, H]):
+    """What the application provides, generic over its node type ``N`` and handle type
+    ``H``: the server never looks inside either, it only keeps them in its fid tables and
+    hands them back (a node where a method takes a node, the handle ``open``/``create``
+    returned where it takes a handle). Any type will do, ``None`` included.
 
     Refuse anything by raising ``NinePError(ename)``; other exceptions are treated as
     bugs (logged, answered "internal error"). Every method may be cancelled (Tflush,
-    Tversion, connection loss) except ``clunk``, which runs shielded and must not block
-    for long.
+    Tversion, connection loss) except ``clunk``, which runs shielded, and ``detach``,
+    which is synchronous; neither may block for long.
     """
 
-    async def attach(self, uname: str, aname: str) -> object:
-        """The root node for this attach; ``aname`` carries credentials (no Tauth).
-
-        If the file system also has a ``detach(root)`` method, the server calls it once
-        per successful attach when that session ends (disconnect or Tversion): where an
-        app keeps per-client state (toolsrv's agents), that is where it is dropped.
-        It is looked up rather than declared so apps may type ``root`` as their own node.
-        """
+    async def attach(self, uname: str, aname: str) -> N:
+        """The root node for this attach; ``aname`` carries credentials (no Tauth)."""
         ...
 
-    async def walk(self, node: object, name: str) -> object:
+    def detach(self, root: N) -> None:
+        """Once per successful attach, when that session ends (disconnect or Tversion):
+        where an app keeps per-client state (toolsrv's agents), that is where it is
+        dropped."""
+        ...
+
+    async def walk(self, node: N, name: str) -> N:
         """One path element (``..`` included) from a directory node."""
         ...
 
-    def stat(self, node: object) -> Stat:
+    def stat(self, node: N) -> Stat:
         """The node's stat; the server takes qids from ``stat(node).qid``."""
         ...
 
-    async def open(self, node: object, mode: int) -> object:
+    async def open(self, node: N, mode: int) -> H:
         """A handle for reading/writing ``node`` (directories are opened too)."""
         ...
 
-    async def read(self, handle: object, offset: int, count: int) -> bytes:
+    async def read(self, handle: H, offset: int, count: int) -> bytes:
         """At most ``count`` bytes at ``offset`` of a file; b"" is end of file."""
         ...
 
-    async def write(self, handle: object, offset: int, data: bytes) -> int:
+    async def write(self, handle: H, offset: int, data: bytes) -> int:
         """Write ``data`` at ``offset``; the number of bytes taken."""
         ...
 
-    async def readdir(self, node: object) -> list[Stat]:
+    async def readdir(self, node: N) -> list[Stat]:
         """All entries of a directory; called when it is opened (and on a rewind)."""
         ...
 
-    async def clunk(self, handle: object) -> None:
+    async def clunk(self, handle: H) -> None:
         """Exactly once per handle ``open``/``create`` returned, whatever happens."""
         ...
 
-    async def remove(self, node: object) -> None:
+    async def remove(self, node: N) -> None:
         """Remove the file; the server clunks the fid whether this succeeds or not."""
         ...
 
-    async def create(self, node: object, name: str, perm: int, mode: int) -> tuple[object, object]:
+    async def create(self, node: N, name: str, perm: int, mode: int) -> tuple[N, H]:
         """Create ``name`` in directory ``node`` and open it: (new node, handle)."""
         ...
 
-    async def wstat(self, node: object, stat: Stat) -> None:
+    async def wstat(self, node: N, stat: Stat) -> None:
         """Apply the fields of ``stat`` that are not "don't touch" (see codec.NOCHANGE)."""
         ...
 
 
-class BaseFileSystem(FileSystem):
-    """Defaults for a read-only tree: override what the tree supports.
+class BaseFileSystem(FileSystem[N, H]):
+    """Defaults for a read-only tree: subclass as ``BaseFileSystem[MyNode, MyHandle]``
+    and override what the tree supports.
 
-    ``attach``, ``walk`` and ``stat`` have no sensible default and must be provided.
-    ``open`` returns the node itself as the handle, which suits simple trees.
+    ``attach``, ``walk``, ``stat`` and ``open`` have no sensible default and must be
+    provided (a tree whose handle is the node itself writes ``return node``).
     """
 
-    async def open(self, node: object, mode: int) -> object:
-        return node
-
-    async def read(self, handle: object, offset: int, count: int) -> bytes:
-        raise NinePError(EPERM)
-
-    async def write(self, handle: object, offset: int, data: bytes) -> int:
-        raise NinePError(EPERM)
-
-    async def readdir(self, node: object) -> list[Stat]:
-        raise NinePError(ENOTDIR)
-
-    async def clunk(self, handle: object) -> None:
+    def detach(self, root: N) -> None:
         return None
 
-    async def remove(self, node: object) -> None:
+    async def read(self, handle: H, offset: int, count: int) -> bytes:
         raise NinePError(EPERM)
 
-    async def create(self, node: object, name: str, perm: int, mode: int) -> tuple[object, object]:
+    async def write(self, handle: H, offset: int, data: bytes) -> int:
         raise NinePError(EPERM)
 
-    async def wstat(self, node: object, stat: Stat) -> None:
+    async def readdir(self, node: N) -> list[Stat]:
+        raise NinePError(ENOTDIR)
+
+    async def clunk(self, handle: H) -> None:
+        return None
+
+    async def remove(self, node: N) -> None:
+        raise NinePError(EPERM)
+
+    async def create(self, node: N, name: str, perm: int, mode: int) -> tuple[N, H]:
+        raise NinePError(EPERM)
+
+    async def wstat(self, node: N, stat: Stat) -> None:
         raise NinePError(EPERM)
 
 
@@ -234,7 +243,7 @@ class _Request:
         await self._event.wait()
 
 
-class _Fid:
+class _Fid(Generic[N, H]):
     """A fid: the node it names and, once open, the application's handle."""
 
     __slots__ = (
@@ -250,11 +259,12 @@ class _Fid:
         "state",
     )
 
-    def __init__(self, node: object, qtype: int) -> None:
+    handle: H  # set exactly while state == _OPEN (an app's handle may be None)
+
+    def __init__(self, node: N, qtype: int) -> None:
         self.node = node
         self.qtype = qtype
         self.state = _FRESH
-        self.handle: object = None
         self.mode = 0
         self.refs = 0  # requests using the fid right now; the last one clunks if clunked
         self.clunked = False
@@ -272,11 +282,11 @@ def _dir_mode_ok(mode: int) -> bool:
     return mode & 3 not in (OWRITE, ORDWR) and not mode & (OTRUNC | ORCLOSE)
 
 
-class _Conn:
+class _Conn(Generic[N, H]):
     def __init__(
         self,
         stream: trio.abc.Stream,
-        fs: FileSystem,
+        fs: FileSystem[N, H],
         max_msize: int,
         max_fids: int,
         max_pending: int,
@@ -290,9 +300,9 @@ class _Conn:
         self.max_pending = max_pending
         self.stats = stats
         self.msize = 0  # 0: no successful Tversion yet
-        self.fids: dict[int, _Fid] = {}
+        self.fids: dict[int, _Fid[N, H]] = {}
         self.pending: dict[int, _Request] = {}
-        self.roots: list[object] = []
+        self.roots: list[N] = []
         self.send_lock = trio.Lock()
         self.nursery: trio.Nursery | None = None
 
@@ -374,12 +384,9 @@ class _Conn:
             for root in roots:
                 self._detach(root)
 
-    def _detach(self, root: object) -> None:
-        detach: Callable[[object], None] | None = getattr(self.fs, "detach", None)
-        if detach is None:
-            return
+    def _detach(self, root: N) -> None:
         try:
-            detach(root)
+            self.fs.detach(root)
         except Exception:
             logger.exception("9P detach failed")
 
@@ -510,7 +517,7 @@ class _Conn:
 
     # ---- fids ---------------------------------------------------------------------
 
-    def _get(self, n: int) -> _Fid:
+    def _get(self, n: int) -> _Fid[N, H]:
         fid = self.fids.get(n)
         if fid is None:
             raise NinePError(EUNKNOWNFID)
@@ -524,20 +531,21 @@ class _Conn:
         if len(self.fids) >= self.max_fids:
             raise NinePError("too many fids")
 
-    def _add_fid(self, n: int, fid: _Fid) -> None:
+    def _add_fid(self, n: int, fid: _Fid[N, H]) -> None:
         self.fids[n] = fid
         self.stats.fids += 1
 
-    async def _release(self, fid: _Fid) -> None:
+    async def _release(self, fid: _Fid[N, H]) -> None:
         fid.refs -= 1
         if fid.clunked and fid.refs == 0:
             await self._destroy(fid)
 
-    async def _destroy(self, fid: _Fid) -> str | None:
+    async def _destroy(self, fid: _Fid[N, H]) -> str | None:
         """Clunk the fid's handle (and remove on close): the error to report, if any."""
-        if fid.handle is None and fid.state != _OPEN:
+        if fid.state != _OPEN:
             return None
-        handle, fid.handle = fid.handle, None
+        handle = fid.handle
+        del fid.handle  # the fid may outlive this in a running request: drop the handle
         fid.state = _FRESH
         err = await self._clunk_handle(handle)
         if fid.mode & ORCLOSE:
@@ -552,7 +560,7 @@ class _Conn:
                     err = err or EINTERNAL
         return err
 
-    async def _clunk_handle(self, handle: object) -> str | None:
+    async def _clunk_handle(self, handle: H) -> str | None:
         with trio.CancelScope(shield=True):
             try:
                 await self.fs.clunk(handle)
@@ -565,7 +573,7 @@ class _Conn:
                 self.stats.handles -= 1
         return None
 
-    async def _entries(self, node: object) -> list[bytes]:
+    async def _entries(self, node: N) -> list[bytes]:
         return [encode_stat(st) for st in await self.fs.readdir(node)]
 
     def _iounit(self) -> int:
@@ -587,7 +595,7 @@ class _Conn:
         except BaseException:
             self._detach(root)
             raise
-        self._add_fid(msg.fid, _Fid(root, qid.type))
+        self._add_fid(msg.fid, _Fid[N, H](root, qid.type))
         self.roots.append(root)
         req.committed = True
         return Rattach(msg.tag, qid)
@@ -627,7 +635,7 @@ class _Conn:
                 fid.qtype = qtype
             else:
                 self._check_newfid(msg.newfid)
-                self._add_fid(msg.newfid, _Fid(node, qtype))
+                self._add_fid(msg.newfid, _Fid[N, H](node, qtype))
             req.committed = True
             return Rwalk(msg.tag, tuple(qids))
         finally:
@@ -644,20 +652,20 @@ class _Conn:
         fs = self.fs
         fid.refs += 1
         fid.state = _OPENING
-        opened = False
-        handle: object = None
         try:
             handle = await fs.open(fid.node, mode)
-            opened = True
             self.stats.handles += 1
-            qid = fs.stat(fid.node).qid
-            entries = await self._entries(fid.node) if is_dir else []
-            if req.aborted:
-                return None
-            self._commit_open(req, fid, handle, mode, entries)
-            return Ropen(msg.tag, qid, self._iounit())
+            try:
+                qid = fs.stat(fid.node).qid
+                entries = await self._entries(fid.node) if is_dir else []
+                if req.aborted:
+                    return None
+                self._commit_open(req, fid, handle, mode, entries)
+                return Ropen(msg.tag, qid, self._iounit())
+            finally:
+                await self._unopen(req, fid, handle)
         finally:
-            await self._end_open(req, fid, handle if opened else None)
+            await self._end_open(req, fid)
 
     async def _create(self, req: _Request, msg: Tcreate) -> RMessage | None:
         fid = self._get(msg.fid)
@@ -673,26 +681,26 @@ class _Conn:
         fs = self.fs
         fid.refs += 1
         fid.state = _OPENING
-        created = False
-        handle: object = None
         try:
             node, handle = await fs.create(fid.node, msg.name, msg.perm, mode)
-            created = True
             self.stats.handles += 1
-            qid = fs.stat(node).qid
-            entries = await self._entries(node) if qid.type & QTDIR else []
-            if req.aborted:
-                return None
-            fid.node = node
-            fid.qtype = qid.type
-            self._commit_open(req, fid, handle, mode, entries)
-            return Rcreate(msg.tag, qid, self._iounit())
+            try:
+                qid = fs.stat(node).qid
+                entries = await self._entries(node) if qid.type & QTDIR else []
+                if req.aborted:
+                    return None
+                fid.node = node
+                fid.qtype = qid.type
+                self._commit_open(req, fid, handle, mode, entries)
+                return Rcreate(msg.tag, qid, self._iounit())
+            finally:
+                await self._unopen(req, fid, handle)
         finally:
-            await self._end_open(req, fid, handle if created else None)
+            await self._end_open(req, fid)
 
     @staticmethod
     def _commit_open(
-        req: _Request, fid: _Fid, handle: object, mode: int, entries: list[bytes]
+        req: _Request, fid: _Fid[N, H], handle: H, mode: int, entries: list[bytes]
     ) -> None:
         """Topen/Tcreate succeeded and will be answered: the fid holds the handle now."""
         fid.handle = handle
@@ -702,13 +710,17 @@ class _Conn:
         fid.entry_index = fid.dir_offset = 0
         req.committed = True
 
-    async def _end_open(self, req: _Request, fid: _Fid, handle: object | None) -> None:
-        """After Topen/Tcreate: if it was not committed (error, flush), the fid is fresh
-        again and a handle the app already gave is clunked, so it is never leaked."""
+    async def _unopen(self, req: _Request, fid: _Fid[N, H], handle: H) -> None:
+        """After the app gave a handle to a Topen/Tcreate that was not committed (error,
+        flush): the fid is fresh again and the handle is clunked, so it is never leaked."""
         if not req.committed:
             fid.state = _FRESH
-            if handle is not None:
-                await self._clunk_handle(handle)
+            await self._clunk_handle(handle)
+
+    async def _end_open(self, req: _Request, fid: _Fid[N, H]) -> None:
+        """After every Topen/Tcreate: an uncommitted fid is fresh again; drop our ref."""
+        if not req.committed:
+            fid.state = _FRESH
         await self._release(fid)
 
     async def _read(self, msg: Tread) -> RMessage:
@@ -730,7 +742,7 @@ class _Conn:
             data = data[:count]
         return Rread(msg.tag, data)
 
-    async def _read_dir(self, fid: _Fid, tag: int, offset: int, count: int) -> RMessage:
+    async def _read_dir(self, fid: _Fid[N, H], tag: int, offset: int, count: int) -> RMessage:
         # read(5): a directory read returns whole entries, and its offset must be 0 (a
         # rewind, which re-reads the directory) or where the previous read ended.
         if offset == 0 and fid.dir_offset != 0:
@@ -809,7 +821,7 @@ class _Conn:
 
 async def serve_connection(
     stream: trio.abc.Stream,
-    fs: FileSystem,
+    fs: FileSystem[N, H],
     *,
     max_msize: int = 1 << 20,
     max_fids: int = 4096,
@@ -859,7 +871,7 @@ def _clear_stale_socket(path: str) -> None:
 
 async def _serve_logged(
     stream: trio.SocketStream,
-    fs: FileSystem,
+    fs: FileSystem[N, H],
     max_msize: int,
     max_fids: int,
     max_pending: int,
@@ -880,7 +892,7 @@ async def _serve_logged(
 
 async def serve_unix(
     path: str,
-    fs: FileSystem,
+    fs: FileSystem[N, H],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     mode: int = 0o600,

@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable, Mapping
 
 import pyfuse3
@@ -43,12 +44,25 @@ def lock_state(paths: Paths) -> int:
     return fd
 
 
+def check_pyfuse3() -> None:
+    """Refuse to serve with a pyfuse3 that drops FUSE_INTERRUPT: a reader blocked on
+    ``stream``, ``events`` or ``statewait`` could then not be killed, SIGKILL included
+    (``olliefs.fs.interrupt``)."""
+    if not hasattr(pyfuse3, "current_request"):
+        raise DaemonError(
+            f"pyfuse3 {pyfuse3.__version__} lacks the interrupt patch (blocked readers could"
+            f" not be killed); build it from the olliefs source tree:"
+            f" bash .ci/pyfuse3/build.sh {sys.prefix}"
+        )
+
+
 async def serve(
     mountpoint: str,
     paths: Paths,
     settings: Mapping[str, str],
     ready: Callable[[], None] | None = None,
 ) -> None:
+    check_pyfuse3()
     max_waiters = int(settings.get("OLLIE_MAX_WAITERS") or 4096)
     async with trio.open_nursery() as nursery:
         reg = Registry(paths, settings, mountpoint, nursery)

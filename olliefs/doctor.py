@@ -361,7 +361,14 @@ def check_stale_mounts() -> Result:
 # ---- shipped defaults the user shadows -------------------------------------------------
 
 #: config dir folder -> the shipped folder (under the package's agents/) it shadows.
-SHADOWED = {"agents": "profiles", "prompts": "prompts", "sandbox": "sandbox", "tools": "tools"}
+SHADOWED = {
+    "agents": "profiles",
+    "prompts": "prompts",
+    "sandbox": "sandbox",
+    "scripts/u": "scripts/u",
+    "scripts/x": "scripts/x",
+    "tools": "tools",
+}
 
 
 def overrides(config: Path, shipped: Path) -> list[tuple[str, bool]]:

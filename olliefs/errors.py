@@ -10,6 +10,7 @@ reason) in its Rerror. One table, here, on the classes themselves:
     ├── Exists           a name that is already taken                         EEXIST
     ├── NotFound         no such session / file                               ENOENT
     ├── Denied           the file's mode does not allow it                    EACCES
+    ├── NotPermitted     a mode, owner or times that cannot be changed        EPERM
     ├── WouldBlock       O_NONBLOCK read at the end of a blocking file        EAGAIN
     ├── Interrupted      the reader got a signal while blocked                EINTR
     └── TooMany          too many blocked readers                             EMFILE
@@ -53,6 +54,10 @@ class NotFound(OllieError):
 
 class Denied(OllieError):
     errno = _errno.EACCES
+
+
+class NotPermitted(OllieError):
+    errno = _errno.EPERM
 
 
 class WouldBlock(OllieError):

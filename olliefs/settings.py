@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,12 @@ class Paths:
         return self.data / "memory"
 
     @property
+    def scratch(self) -> Path:
+        """``tmp/`` of the tree: the user's scratch files (toolsrv's per-session tmp dirs
+        are ``data/tmp``, which it owns and cleans)."""
+        return self.data / "scratch"
+
+    @property
     def env_file(self) -> Path:
         return self.config / "env"
 
@@ -64,7 +69,7 @@ class Paths:
         for d in (self.config, self.state, self.data, self.run):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(d, 0o700)
-        for d in (self.sessions, self.transcripts, self.memory):
+        for d in (self.sessions, self.transcripts, self.memory, self.scratch):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
@@ -132,25 +137,64 @@ def shipped_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def install_defaults(p: Paths) -> None:
-    """Copy shipped defaults into the config dir where the user has no file of that name.
+# Where earlier versions copied each shipped folder: (shipped sub-folder, config sub-folder).
+COPIED = (("profiles", "agents"), ("tools", "tools"), ("sandbox", "sandbox"))
+MIGRATION = "shipped-copies-removed"
 
-    Tool scripts keep their mode (they must stay executable). toolsrv also searches the
-    shipped dir after the config dir, so a default the user deleted still works.
+
+def install_defaults(p: Paths) -> None:
+    """Undo what earlier versions did here: copy the shipped defaults into the config dir.
+
+    Nothing shipped is copied any more (SPEC 2): profiles, tools, prompts and sandbox
+    files are read from the installed package, behind the user's own files of the same
+    name, so an upgrade reaches every default the user did not override. What an earlier
+    version copied would pin the old default for good, so a copy byte-identical to the
+    shipped file is removed; every other file of a shipped name is the user's change and
+    stays (``ollie doctor`` lists it as an override). A config sub-folder left empty is
+    removed too (the copying made it).
+
+    This runs once per install (a line in ``state/migrations``): afterwards a copy the
+    user makes on purpose, say to pin a default against upgrades, is the user's file.
     """
+    done = p.state / "migrations"
+    try:
+        applied = done.read_text().split()
+    except FileNotFoundError:
+        applied = []
+    if MIGRATION in applied:
+        return
+    remove_shipped_copies(p)
+    with open(done, "a") as f:
+        f.write(MIGRATION + "\n")
+
+
+def remove_shipped_copies(p: Paths) -> list[Path]:
+    """Remove the config files byte-identical to the shipped file they copy; the removed."""
+    removed: list[Path] = []
     src = shipped_dir()
-    for sub, dest in (
-        ("profiles", p.config / "agents"),
-        ("tools", p.config / "tools"),
-        ("sandbox", p.config / "sandbox"),
-    ):
-        dest.mkdir(parents=True, exist_ok=True)
-        if not (src / sub).is_dir():
-            continue
-        for f in sorted((src / sub).iterdir()):
-            target = dest / f.name
-            if f.is_file() and not f.name.startswith((".", "_")) and not target.exists():
-                shutil.copy2(f, target)
+    for sub, dest in COPIED:
+        folder = p.config / dest
+        for f in sorted((src / sub).glob("*")) if (src / sub).is_dir() else []:
+            copy = folder / f.name
+            if not f.is_file() or copy.is_symlink() or not copy.is_file():
+                continue
+            if _same_bytes(f, copy):
+                copy.unlink()
+                removed.append(copy)
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            pass
+    return removed
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    try:
+        if a.stat().st_size != b.stat().st_size:
+            return False
+        return a.read_bytes() == b.read_bytes()
+    except OSError:
+        return False
 
 
 def agent_names(p: Paths) -> set[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from olliefs.replay import ReplayServer
+from olliefs.settings import shipped_dir
 from olliefs.toolclient.client import ToolsrvConn, connect
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK)
@@ -235,9 +236,15 @@ class Daemon:
 
 class ToolsrvProc:
     def __init__(
-        self, base: Path, *, tools_dirs: tuple[Path, ...] = (), log_level: str = "DEBUG"
+        self,
+        base: Path,
+        *,
+        tools_dirs: tuple[Path, ...] = (),
+        log_level: str = "DEBUG",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.log_level = log_level
+        self.extra_args = extra_args
         base.mkdir(parents=True, exist_ok=True)
         self.base = base
         self.socket = str(base / "toolsrv.sock")
@@ -253,6 +260,11 @@ class ToolsrvProc:
         argv += ["--log-level", self.log_level]
         for d in self.tools_dirs:
             argv += ["--tools-dir", str(d)]
+        # toolsrv imports nothing of olliefs: the shipped defaults are named, as the
+        # daemon's spawner names them.
+        argv += ["--tools-dir", str(shipped_dir() / "tools")]
+        argv += ["--sandbox-dir", str(shipped_dir() / "sandbox")]
+        argv += self.extra_args
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
@@ -306,9 +318,13 @@ class ToolsrvProc:
 
 @contextmanager
 def running_toolsrv(
-    base: Path, *, tools_dirs: tuple[Path, ...] = (), log_level: str = "DEBUG"
+    base: Path,
+    *,
+    tools_dirs: tuple[Path, ...] = (),
+    log_level: str = "DEBUG",
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[ToolsrvProc]:
-    t = ToolsrvProc(base, tools_dirs=tools_dirs, log_level=log_level)
+    t = ToolsrvProc(base, tools_dirs=tools_dirs, log_level=log_level, extra_args=extra_args)
     t.start()
     try:
         yield t

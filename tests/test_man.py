@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,6 +54,12 @@ def test_ollie_1_names_every_subcommand_and_flag() -> None:
                 assert flag in text, f"ollie {name} {flag}"
 
 
+# The placeholder ollie(5) uses for the files of each folder on disk (generated ones and
+# u/complete are named as they are).
+FOLDER_FILES = {"m": "NAME", "p": "NAME", "sk": "NAME.md", "t": "TOOL", "tmp": "PATH",
+                "tr": "STAMP-ID.md", "u": "NAME", "x": "NAME"}  # fmt: skip
+
+
 def _doc_name(rel: Path, sessions: set[str]) -> str:
     """The name ollie(5) uses for a path of the tree: s/ID/..., peer/NAME, t/TOOL, K."""
     parts = list(rel.parts)
@@ -62,18 +69,35 @@ def _doc_name(rel: Path, sessions: set[str]) -> str:
             parts[3] = "NAME"
         if len(parts) > 3 and parts[2] == "branches":
             parts[3] = "K"
-    if parts[0] == "t" and len(parts) > 1 and parts[1] != "idx":
-        parts[1] = "TOOL"
+    if parts[0] in FOLDER_FILES and len(parts) > 1 and parts[1] != "idx":
+        if "/".join(parts[:2]) != "u/complete":
+            parts[1:] = [FOLDER_FILES[parts[0]]]
     return "/".join(parts)
+
+
+def _bold(text: str) -> set[str]:
+    """The words set in bold by ``.B`` lines, and by the odd arguments of ``.BR`` lines."""
+    out: set[str] = set()
+    for macro, args in re.findall(r"^\.(BR?) (.*)$", text, re.M):
+        try:
+            words = shlex.split(args)
+        except ValueError:
+            continue
+        out.update(words if macro == "B" else words[::2])
+    return out
 
 
 def test_ollie_5_has_an_entry_for_every_file_of_the_tree(daemon: Daemon) -> None:
     for name in ("a", "a__b"):  # a child, so that peer/ holds a file
         with open(daemon.path / "s" / "new", "w") as f:
             f.write(f"name={name} cwd={daemon.work}")
+    for folder in ("m", "tmp"):  # a file in each folder, so that its entry is looked for
+        (daemon.path / folder / "note").write_text("x\n")
+    x = daemon.home / "config" / "scripts" / "x"
+    x.mkdir(parents=True)
+    (x / "hello").write_text("#!/bin/sh\necho hello\n")
     sessions = {"a", "a__b"}
-    text = _text("ollie.5")
-    documented = set(re.findall(r"^\.B (\S+)$", text, re.M))
+    documented = _bold(_text("ollie.5"))
     missing = set()
     for top, dirs, files in os.walk(daemon.path):  # names only: no file is read
         for entry in dirs:

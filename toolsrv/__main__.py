@@ -1,9 +1,15 @@
 """``toolsrv``: the 9P tool server process (SPEC 5, toolsrv(8)).
 
+toolsrv imports nothing of olliefs: whoever starts it names every directory it serves on the
+command line (olliefs' spawner passes the user's config dirs, then the shipped defaults).
 olliefs spawns it with the master key on stdin (one hex line) and waits for ``ready`` on
 stdout; a remote toolsrv reads the key from ``--key-file``. It serves until SIGTERM/SIGINT
 or until stdin reaches EOF when ``--exit-with-stdin`` is given (the spawning daemon died:
 a tool server without its daemon has nobody to serve).
+
+Right after reading the key the process forks (`toolsrv.keeper`): the parent, which the
+spawner waits for, only keeps the server; the child serves. When the server dies, however,
+the keeper kills every process it left, so no tool outlives its toolsrv.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from pathlib import Path
 import trio
 
 from ninep.server import serve_unix
-from toolsrv import exec as texec
+from toolsrv import keeper
+from toolsrv.exec import Executor
 from toolsrv.registry import Registry
 from toolsrv.server import ToolServer
 
@@ -28,21 +35,22 @@ log = logging.getLogger("toolsrv")
 REGISTRY_MAX_AGE = 1.0
 
 
-def shipped_dir() -> Path:
-    from olliefs.settings import shipped_dir as sd
-
-    return sd()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="toolsrv", description="olliefs tool server (9P2000)")
     p.add_argument("--socket", required=True, help="unix socket path to listen on (mode 0600)")
     p.add_argument(
         "--tools-dir", action="append", default=[], help="tool scripts; earlier dirs win"
     )
-    p.add_argument("--sandbox-dir", action="append", default=[], help="sandbox/*.toml dirs")
-    p.add_argument("--no-shipped", action="store_true", help="do not add the shipped defaults")
+    p.add_argument(
+        "--sandbox-dir", action="append", default=[], help="sandbox/*.toml dirs; earlier win"
+    )
     p.add_argument("--tmp-dir", required=True, help="root of the per-session tmp dirs")
+    p.add_argument(
+        "--hide",
+        action="append",
+        default=[],
+        help="a path no tool may see (the daemon's sockets, secrets); repeatable",
+    )
     p.add_argument("--key-file", help="master key file (default: one hex line on stdin)")
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes")
     p.add_argument("--log-level", default="INFO")
@@ -60,12 +68,26 @@ def read_key(args: argparse.Namespace) -> bytes:
 async def amain(args: argparse.Namespace, key: bytes) -> None:
     tools = [Path(d) for d in args.tools_dir]
     boxes = [Path(d) for d in args.sandbox_dir]
-    if not args.no_shipped:
-        tools.append(shipped_dir() / "tools")
-        boxes.append(shipped_dir() / "sandbox")
     tmp_root = Path(args.tmp_dir)
     tmp_root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    texec.init_reaper()
+    # This server's own socket is hidden from tools too: a tool must not reach it.
+    hide = [*args.hide, args.socket]
+    executor = Executor(cgroups=os.environ.get("TOOLSRV_CGROUPS", ""), hide=hide)
+    executor.start()
+    try:
+        await serve(args, key, tools, boxes, tmp_root, executor)
+    finally:
+        executor.close()
+
+
+async def serve(
+    args: argparse.Namespace,
+    key: bytes,
+    tools: list[Path],
+    boxes: list[Path],
+    tmp_root: Path,
+    executor: Executor,
+) -> None:
     async with trio.open_nursery() as nursery:
         fs = ToolServer(
             key,
@@ -73,6 +95,7 @@ async def amain(args: argparse.Namespace, key: bytes) -> None:
             sandbox_dirs=boxes,
             tmp_root=tmp_root,
             nursery=nursery,
+            executor=executor,
         )
         await nursery.start(serve_unix, args.socket, fs)
         log.info("serving %s (tools: %s)", args.socket, ", ".join(map(str, tools)))
@@ -103,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s toolsrv %(levelname)s %(name)s: %(message)s",
     )
     key = read_key(args)
+    keeper.split(args.socket)  # from here on, in the server; the keeper never comes back
     try:
         trio.run(amain, args, key)
     finally:

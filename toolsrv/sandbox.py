@@ -1,25 +1,29 @@
-"""Sandbox profiles and the Landlock confinement of tool processes.
+"""Sandbox profiles, and how a tool process is confined.
 
 A tool runs with read and execute rights on the whole tree but may write only beneath its
 *write roots* (the call's cwd, its tmp dir and the profile's extra roots) and to
-``/dev/null``; TCP bind/connect is denied unless the profile allows network; it may not
-signal processes outside its sandbox nor reach abstract unix sockets (Landlock scopes). The
-``.git`` directory at the top of each write root stays read-only although it lies beneath a
-writable root: Landlock rules only add rights, so that exception is a read-only bind mount in
-a private mount namespace (or, where namespaces are not available, per-entry rules). Tools
-also run with no_new_privs and, when the server is root, without the capabilities Landlock
-does not cover (module loading, network administration, reboot...: see ``_CAPS_KEPT``).
+``/dev/null``. The walls, each covering what the others cannot (toolsrv(8) has the why):
 
-Known gaps, all Landlock's: UDP and pathname unix sockets are not restricted (a root tool
-can reach e.g. /var/run/docker.sock); a future ABI's new access rights stay allowed until
-`fs_rights` names them.
+- **Landlock** (the `landlock` package, plus a few lines for network rules and scopes): no
+  file writes outside the roots; no TCP bind/connect unless the profile has network; no
+  signals to processes outside the call's domain, no abstract unix sockets outside it.
+- **A private mount namespace** (root only): everything outside the roots read-only at the
+  mount level, so metadata changes (chmod, chown, utimes, xattrs, rename...) that Landlock
+  does not govern fail there too; every ``.git`` and ``.ollie`` beneath a root, at any
+  depth, read-only (`toolsrv.protect` finds them); the daemon's sockets and secrets hidden.
+- **An empty network namespace** (root only), shared by every call without network: no
+  TCP, UDP or abstract unix socket reaches the host.
+- **No capabilities at all**: effective, permitted, inheritable, ambient and bounding sets
+  empty, and no_new_privs, so not even a setuid binary gives any back.
+- **A seccomp filter** (`toolsrv.seccomp`): ptrace, keyrings, bpf, mounts, new user
+  namespaces, socket families the profile does not allow.
 
 The work is split in two so that spawning stays cheap: `prepare` runs in the server and
-builds the Landlock ruleset (opening paths, adding rules); `Prepared.enter` is the cheap
-part, a handful of syscalls run in a thread created for the spawn, whose restrictions the
-spawned process inherits. Applying them to a thread rather than in a forked child lets the
-spawn use vfork (a full fork of the Python server costs milliseconds) and never runs Python
-code between fork and exec.
+builds what can be built ahead (the Landlock ruleset, the list of protected entries, the
+seccomp program); `Prepared.enter` applies it all to a thread created for the spawn, whose
+restrictions the spawned process inherits. Applying them to a thread rather than in a forked
+child lets the spawn use vfork (a full fork of the Python server costs milliseconds) and
+never runs Python code between fork and exec.
 """
 
 from __future__ import annotations
@@ -27,120 +31,95 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import operator
 import os
 import re
 import stat
-import threading
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
+from landlock import SyscallError
+from landlock.plumbing import (
+    CREATE_RULESET_VERSION,
+    FSAccess,
+    PathBeneathAttr,
+    RulesetAttr,
+    get_add_rule,
+    get_create_ruleset,
+    get_restrict_self,
+)
+
+from toolsrv import namespaces, seccomp
+from toolsrv.protect import PROTECTED_NAMES, ProtectedScan
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
-# --- Landlock UAPI (include/uapi/linux/landlock.h) ------------------------------------------
+# --- Landlock ------------------------------------------------------------------------------
+#
+# The `landlock` package (pinned in pyproject) gives the ABI query, the filesystem access
+# flags and the three ruleset syscalls with their error reasons. It knows nothing of network
+# rules and scopes (ABI 4 and 6): what it lacks is the longer ``landlock_ruleset_attr`` below,
+# handed to its create_ruleset through a pointer cast, and two sets of bits.
+#
+# Its syscall wrappers take ``ctypes.get_errno() != 0`` for failure, not the return value,
+# and ctypes keeps one private errno per thread for every ``use_errno`` library: after any
+# failed call in the same thread (ours or its own), a successful Landlock call would be
+# reported as failing with that stale errno. `_ll` clears it before each call.
 
-# Syscall numbers: the same on every architecture since 5.1's unified table (alpha aside).
-_NR_CREATE_RULESET = 444
-_NR_ADD_RULE = 445
-_NR_RESTRICT_SELF = 446
-_CREATE_RULESET_VERSION = 1 << 0
-_RULE_PATH_BENEATH = 1
-
-FS_EXECUTE = 1 << 0
-FS_WRITE_FILE = 1 << 1
-FS_READ_FILE = 1 << 2
-FS_READ_DIR = 1 << 3
-FS_REMOVE_DIR = 1 << 4
-FS_REMOVE_FILE = 1 << 5
-FS_MAKE_CHAR = 1 << 6
-FS_MAKE_DIR = 1 << 7
-FS_MAKE_REG = 1 << 8
-FS_MAKE_SOCK = 1 << 9
-FS_MAKE_FIFO = 1 << 10
-FS_MAKE_BLOCK = 1 << 11
-FS_MAKE_SYM = 1 << 12
-FS_REFER = 1 << 13  # ABI 2
-FS_TRUNCATE = 1 << 14  # ABI 3
-FS_IOCTL_DEV = 1 << 15  # ABI 5
+FS_EXECUTE = int(FSAccess.EXECUTE)
+FS_WRITE_FILE = int(FSAccess.WRITE_FILE)
+FS_READ_FILE = int(FSAccess.READ_FILE)
+FS_READ_DIR = int(FSAccess.READ_DIR)
+FS_REFER = int(FSAccess.REFER)  # ABI 2
+FS_TRUNCATE = int(FSAccess.TRUNCATE)  # ABI 3
+FS_IOCTL_DEV = int(FSAccess.IOCTL_DEV)  # ABI 5
 NET_BIND_TCP = 1 << 0  # ABI 4
 NET_CONNECT_TCP = 1 << 1  # ABI 4
 SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1  # ABI 6
+_RULE_PATH_BENEATH = 1
 
 FS_READ_EXEC = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
 # The rights Landlock accepts on a rule for a non-directory.
 FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
 # /dev/null: writable (shells redirect there constantly) but nothing directory-like.
 FS_DEV_NULL = FS_WRITE_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+# The rights ABI 1 knows: EXECUTE .. MAKE_SYM.
+_FS_ABI1 = functools.reduce(
+    operator.or_, (int(a) for a in FSAccess if int(a) < int(FSAccess.REFER)), 0
+)
 
-# --- other kernel constants ------------------------------------------------------------------
+_T = TypeVar("_T")
 
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_CAP_AMBIENT = 47
-_PR_CAP_AMBIENT_CLEAR_ALL = 4
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWNET = 0x40000000
-_MS_RDONLY = 1
-_MS_NOSUID = 2
-_MS_NODEV = 4
-_MS_NOEXEC = 8
-_MS_REMOUNT = 32
-_MS_NOATIME = 1024
-_MS_NODIRATIME = 2048
-_MS_BIND = 4096
-_MS_REC = 16384
-_MS_PRIVATE = 1 << 18
-_MS_RELATIME = 1 << 21
-_ST_RELATIME = 4096
-_CAP_VERSION_3 = 0x20080522
 
-# Capabilities a root tool keeps: Docker's default set without MKNOD (a device node made in a
-# write root would be writable through Landlock), SETPCAP and SETFCAP. Everything else goes,
-# because Landlock does not cover it: CAP_SYS_MODULE loads kernel code, CAP_NET_ADMIN rewires
-# the host network, CAP_SYS_BOOT reboots, CAP_SYS_RESOURCE/CAP_SYS_ADMIN ignore RLIMIT_NPROC,
-# CAP_SYS_PTRACE could reach the server through the spawning thread. NET_RAW (raw sockets
-# bypass the TCP rules) is kept only for profiles with network.
-_CAPS_KEPT = frozenset({0, 1, 3, 4, 5, 6, 7, 10, 18, 29})  # CHOWN .. AUDIT_WRITE
-_CAP_NET_RAW = 13
+def _ll(what: str, fn: Callable[[], _T]) -> _T:
+    """Call into the `landlock` package with the thread's ctypes errno cleared (see above).
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+    Its SyscallError becomes a one-line OSError saying ``what`` failed and the package's
+    reason for that errno (e.g. "Landlock has been disabled at boot time").
+    """
+    ctypes.set_errno(0)
+    try:
+        return fn()
+    except SyscallError as err:
+        why = f" ({err.reason})" if err.reason else ""
+        raise OSError(err.errno, f"{what}: {err.strerror}{why}") from None
 
 
 class _RulesetAttr(ctypes.Structure):
+    """``struct landlock_ruleset_attr`` as of ABI 6 (the package's has the first field)."""
+
     _fields_ = [
         ("handled_access_fs", ctypes.c_uint64),
         ("handled_access_net", ctypes.c_uint64),
         ("scoped", ctypes.c_uint64),
     ]
-
-
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [
-        ("effective", ctypes.c_uint32),
-        ("permitted", ctypes.c_uint32),
-        ("inheritable", ctypes.c_uint32),
-    ]
-
-
-def _oserror(what: str) -> OSError:
-    err = ctypes.get_errno()
-    return OSError(err, f"{what}: {os.strerror(err)}")
 
 
 class SandboxError(Exception):
@@ -235,7 +214,7 @@ def expand_write(entries: Sequence[str], env: Mapping[str, str]) -> list[str]:
 
 
 def is_protected(path: str, write_roots: Sequence[str]) -> bool:
-    """Whether ``path`` is, or lies inside, a ``.git`` directory (so tools must not write it).
+    """Whether ``path`` is, or lies inside, a protected entry (``.git``, ``.ollie``).
 
     File tools use this to answer "the .git directory is read-only" instead of an opaque
     EROFS/EACCES. A relative ``path`` is taken relative to the first write root (the call's
@@ -243,7 +222,7 @@ def is_protected(path: str, write_roots: Sequence[str]) -> bool:
     """
     if not os.path.isabs(path) and write_roots:
         path = os.path.join(write_roots[0], path)
-    return ".git" in Path(os.path.realpath(path)).parts
+    return not PROTECTED_NAMES.isdisjoint(Path(os.path.realpath(path)).parts)
 
 
 # --- kernel feature probes -------------------------------------------------------------------
@@ -252,15 +231,14 @@ def is_protected(path: str, write_roots: Sequence[str]) -> bool:
 @functools.cache
 def _probe_abi() -> int:
     try:
-        abi = _libc.syscall(
-            ctypes.c_long(_NR_CREATE_RULESET),
-            None,
-            ctypes.c_size_t(0),
-            ctypes.c_uint32(_CREATE_RULESET_VERSION),
-        )
-    except (AttributeError, OSError):  # pragma: no cover - no libc syscall()
+        version = _ll("landlock ABI", lambda: get_create_ruleset()(None, 0, CREATE_RULESET_VERSION))
+    except OSError as err:  # ENOSYS, EOPNOTSUPP (disabled at boot), or seccomp
+        log.debug("%s", err.strerror)
         return 0
-    return max(int(abi), 0)
+    return max(int(version), 0)
+
+
+mount_namespaces = namespaces.mount_namespaces
 
 
 def landlock_abi() -> int:
@@ -269,98 +247,6 @@ def landlock_abi() -> int:
     Looked up through the module at each call (tests replace it to exercise the refusal).
     """
     return _probe_abi()
-
-
-def _run_in_thread(fn: Callable[[], None]) -> BaseException | None:
-    """Run ``fn`` in a throw-away thread (for probes that change thread state)."""
-    box: list[BaseException | None] = [None]
-
-    def body() -> None:
-        try:
-            fn()
-        except BaseException as err:
-            box[0] = err
-
-    t = threading.Thread(target=body, name="toolsrv-probe")
-    t.start()
-    t.join()
-    return box[0]
-
-
-@functools.cache
-def mount_namespaces() -> bool:
-    """Whether a thread can get a private mount namespace (root, or CAP_SYS_ADMIN).
-
-    Probed once for real in a throw-away thread: ``unshare`` can be refused by seccomp or a
-    container runtime even to root.
-    """
-
-    def probe() -> None:
-        _unshare(_CLONE_NEWNS)
-        _mount(None, "/", _MS_REC | _MS_PRIVATE)
-
-    err = _run_in_thread(probe)
-    if err is not None:
-        log.debug("sandbox: no private mount namespaces (%s)", err)
-    return err is None
-
-
-# --- syscall wrappers ------------------------------------------------------------------------
-
-
-def _unshare(flags: int) -> None:
-    if _libc.unshare(ctypes.c_int(flags)) != 0:
-        raise _oserror("unshare")
-
-
-def _mount(src: str | None, target: str, flags: int) -> None:
-    s = None if src is None else os.fsencode(src)
-    if _libc.mount(s, os.fsencode(target), None, ctypes.c_ulong(flags), None) != 0:
-        raise _oserror(f"mount {target}")
-
-
-def _prctl(option: int, arg: int) -> int:
-    return int(
-        _libc.prctl(
-            ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), None
-        )
-    )
-
-
-def _drop_caps(network: bool) -> None:
-    """Drop from this thread every capability a tool does not keep (see _CAPS_KEPT).
-
-    Effective, permitted and inheritable sets, then the ambient set. That is final because
-    `Prepared.enter` also sets no_new_privs: an exec can then never gain capabilities, not
-    even root's, whatever the bounding set says. The bounding set is left alone: dropping a
-    capability from it is a credential commit each, ~3 µs times thirty on every call. As a
-    non-root user there is nothing to drop.
-    """
-    keep = _CAPS_KEPT | ({_CAP_NET_RAW} if network else set())
-    hdr = _CapHeader(_CAP_VERSION_3, 0)
-    data = (_CapData * 2)()
-    if _libc.capget(ctypes.byref(hdr), data) != 0:
-        raise _oserror("capget")
-    mask = [0, 0]
-    for cap in keep:
-        mask[cap // 32] |= 1 << (cap % 32)
-    for i in (0, 1):
-        data[i].effective &= mask[i]
-        data[i].permitted &= mask[i]
-        data[i].inheritable &= mask[i]
-    if _libc.capset(ctypes.byref(hdr), data) != 0:
-        raise _oserror("capset")
-    _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
-
-
-def _remount_flags(path: str) -> int:
-    """Flags for the read-only remount that keep the mount's nosuid/nodev/noexec/atime."""
-    st = os.statvfs(path).f_flag
-    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
-    flags |= st & (_MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)
-    if st & _ST_RELATIME:
-        flags |= _MS_RELATIME
-    return flags
 
 
 # --- the restriction -------------------------------------------------------------------------
@@ -379,15 +265,21 @@ def warn_once(key: str, msg: str) -> None:
 class Prepared:
     """A sandbox built in the server for one call; `enter` applies it to a spawning thread.
 
-    ``ruleset_fd`` is None when the profile runs unsandboxed. ``git_binds`` are the ``.git``
-    entries to make read-only in a private mount namespace; ``isolate_net`` asks for an empty
-    network namespace (how network is denied when Landlock is older than ABI 4).
+    ``ruleset_fd`` is None when the profile runs unsandboxed; ``mounts`` is None without
+    mount namespaces (or unsandboxed); ``netns_fd`` (not owned) is the shared empty network
+    namespace to join, None with network or where there is none; ``seccomp`` the filter.
     """
 
     ruleset_fd: int | None
-    git_binds: tuple[str, ...] = ()
-    isolate_net: bool = False
+    mounts: namespaces.MountPlan | None = None
+    netns_fd: int | None = None
+    seccomp: seccomp.Loaded | None = None
     network: bool = False
+
+    @property
+    def protect(self) -> tuple[str, ...]:
+        """The entries made read-only by a bind mount."""
+        return self.mounts.protect if self.mounts is not None else ()
 
     def close(self) -> None:
         """Release the ruleset fd (the restricted processes keep their domain)."""
@@ -395,33 +287,31 @@ class Prepared:
             os.close(self.ruleset_fd)
             self.ruleset_fd = None
 
-    def enter(self) -> None:
-        """Restrict the calling thread for good: private mounts, capabilities, NNP, Landlock.
+    def enter(self, *, bounding_dropped: bool = False, own_mount_ns: bool = False) -> None:
+        """Restrict the calling thread for good: mounts, network, capabilities, NNP,
+        Landlock, seccomp, in that order (each step needs the privileges the next drops).
 
         Only for a thread created to spawn the tool and ending right after: credentials,
-        capabilities, no_new_privs, the Landlock domain and the mount namespace are all
-        per-thread on Linux, and a child inherits them from the thread that forks it. The
-        server's other threads are untouched. Raises OSError when a step fails; nothing may
-        be spawned from the thread then.
+        capabilities, no_new_privs, the Landlock domain, the seccomp filter and the
+        namespaces are all per-thread on Linux, and a child inherits them from the thread
+        that forks it. The server's other threads are untouched. ``bounding_dropped``,
+        ``own_mount_ns``: the thread already emptied its bounding set, made its private
+        mount namespace (spare threads do both ahead). Raises OSError when a step fails;
+        nothing may be spawned from the thread then.
         """
-        flags = (_CLONE_NEWNS if self.git_binds else 0) | (_CLONE_NEWNET if self.isolate_net else 0)
-        if flags:
-            _unshare(flags)
-        if self.git_binds:
-            # rprivate first: our read-only binds must not propagate back to the host.
-            _mount(None, "/", _MS_REC | _MS_PRIVATE)
-            for git in self.git_binds:
-                _mount(git, git, _MS_BIND)
-                _mount(None, git, _remount_flags(git))
-        if _prctl(_PR_SET_NO_NEW_PRIVS, 1) != 0:
-            raise _oserror("prctl(PR_SET_NO_NEW_PRIVS)")
-        _drop_caps(self.network)
+        if self.mounts is not None:
+            self.mounts.apply(own_ns=own_mount_ns)
+        if self.netns_fd is not None:
+            namespaces.setns(self.netns_fd, namespaces.CLONE_NEWNET)
+        if not bounding_dropped:
+            namespaces.drop_bounding_set()
+        namespaces.no_new_privs()
         if self.ruleset_fd is not None:
-            rc = _libc.syscall(
-                ctypes.c_long(_NR_RESTRICT_SELF), ctypes.c_int(self.ruleset_fd), ctypes.c_uint32(0)
-            )
-            if rc != 0:
-                raise _oserror("landlock_restrict_self")
+            fd = self.ruleset_fd
+            _ll("landlock_restrict_self", lambda: get_restrict_self()(fd, 0))
+        namespaces.drop_all_caps()
+        if self.seccomp is not None:
+            self.seccomp.load()
 
 
 def _refusal(name: str) -> str:
@@ -437,7 +327,7 @@ def fs_rights(abi: int) -> int:
     ABI 7 added no access right (only audit flags). A later ABI may add rights this code
     does not know yet: those would stay unhandled, i.e. allowed, until named here.
     """
-    rights = (1 << 13) - 1  # ABI 1: EXECUTE .. MAKE_SYM
+    rights = _FS_ABI1
     if abi >= 2:
         rights |= FS_REFER
     if abi >= 3:
@@ -447,26 +337,25 @@ def fs_rights(abi: int) -> int:
     return rights
 
 
-def _clean_roots(roots: Sequence[str]) -> list[str]:
-    out: list[str] = []
+def _beneath(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def clean_roots(roots: Sequence[str]) -> list[str]:
+    """Real paths of the roots that exist, without those inside another root.
+
+    A root inside another needs no rule nor mount of its own, and must not get one: a tool
+    may replace it (its parent is writable) with a symlink to "/" between two calls, and a
+    mount copied from that path would then make "/" writable.
+    """
+    real: list[str] = []
     for root in roots:
-        real = os.path.realpath(root)
-        if not os.path.exists(real):
+        r = os.path.realpath(root)
+        if not os.path.exists(r):
             log.debug("sandbox: write root %s does not exist, skipped", root)
-        elif real not in out:
-            out.append(real)
-    return out
-
-
-def _git_entry(root: str) -> str | None:
-    git = os.path.join(root, ".git")
-    try:
-        st = os.lstat(git)
-    except OSError:
-        return None
-    # A symlinked .git cannot be protected by a bind (the mount lands on its target);
-    # Landlock still forbids writing the target unless it is itself beneath a root.
-    return None if stat.S_ISLNK(st.st_mode) else git
+        elif r not in real:
+            real.append(r)
+    return [r for r in real if not any(o != r and _beneath(r, o) for o in real)]
 
 
 def prepare(
@@ -475,47 +364,66 @@ def prepare(
     *,
     abi: int | None = None,
     mount_ns: bool | None = None,
+    protect: Sequence[str] | None = None,
+    hide: Sequence[str] = (),
+    netns_fd: int | None = None,
+    use_seccomp: bool = True,
 ) -> Prepared:
-    """Build the Landlock ruleset for one call in the server (the expensive half).
+    """Build the sandbox of one call in the server (the expensive half).
 
     Policy: read + execute everywhere; every write-ish right (WRITE_FILE, REMOVE_*, MAKE_*,
     REFER, TRUNCATE, IOCTL_DEV as the ABI has them) beneath ``write_roots`` only, plus
     write/truncate on ``/dev/null``; TCP bind and connect denied unless ``profile.network``;
     scopes: no signals to processes outside the sandbox, no abstract unix sockets.
 
-    The ``.git`` at the top of each root is made read-only by `Prepared.enter` with a bind
-    mount when ``mount_ns`` (default: `mount_namespaces()`). Without namespaces, the root
-    instead gets write rules per top-level entry except ``.git``; limitation: new top-level
-    files or directories cannot then be created (or top-level entries removed or renamed) in
-    such a root, and symlinked top-level entries are not writable through.
+    With mount namespaces (``mount_ns``, default: `namespaces.mount_namespaces()`), the rest
+    of the tree is read-only at the mount level, the protected entries beneath the roots
+    (``protect``, as `ProtectedScan.find` gives them for `clean_roots`; a fresh full scan if
+    None) are read-only binds, and ``hide``
+    (existing paths not covering a root) is hidden. Without them only the protected entries
+    at the top of a root are kept, by Landlock rules per top-level entry: new top-level
+    files or directories cannot then be created (or top-level entries removed or renamed)
+    in such a root, and symlinked top-level entries are not writable through.
 
-    An ``unsandboxed`` profile gets no Landlock domain at all (so no .git protection
-    either, since everything is writable): only capabilities are dropped and NNP is set.
+    ``netns_fd``: the empty network namespace a call without network joins (None: none is
+    available; the TCP rules and the seccomp filter still hold). An ``unsandboxed`` profile
+    gets no Landlock domain and no mount changes (everything is writable): it keeps the
+    network namespace, the seccomp filter, the capability drop and NNP.
 
     Raises SandboxError when Landlock is missing and the profile is not ``unsandboxed``,
     OSError when the kernel refuses a rule.
     """
     abi = landlock_abi() if abi is None else abi
+    netns = None if profile.network else netns_fd
+    if not profile.network and netns is None:
+        warn_once("netns", "no network namespace: tools without network keep the host's")
+    filt = seccomp.loaded(profile.network) if use_seccomp else None
     if profile.unsandboxed:
         log.debug("sandbox %s: unsandboxed by profile", profile.name)
-        return Prepared(None, network=profile.network)
+        return Prepared(None, netns_fd=netns, seccomp=filt, network=profile.network)
     if abi <= 0:
         raise SandboxError(_refusal(profile.name))
-    roots = _clean_roots(write_roots)
-    gits = {root: git for root in roots if (git := _git_entry(root)) is not None}
-    need_net = not profile.network and abi < 4
-    use_ns = False
-    if gits or need_net:  # probe (once) only when a namespace would be used
-        use_ns = mount_namespaces() if mount_ns is None else mount_ns
-    isolate_net = False
-    if need_net:
-        if use_ns:
-            isolate_net = True
-        else:
-            warn_once(
-                "net",
-                f"Landlock ABI {abi} < 4 and no namespaces: TCP cannot be denied to tools",
-            )
+    if not profile.network and abi < 4 and netns is None:
+        warn_once("tcp", f"Landlock ABI {abi} < 4 and no network namespace: TCP is not denied")
+    roots = clean_roots(write_roots)
+    use_ns = namespaces.mount_namespaces() if mount_ns is None else mount_ns
+    mounts = None
+    tops: set[str] = set()
+    if use_ns:
+        if protect is None:
+            protect = ProtectedScan(inotify=False).find(roots)
+        shown = [h for h in hide if not any(_beneath(r, os.path.realpath(h)) for r in roots)]
+        dirs, files = namespaces.split_hidden(shown)
+        mounts = namespaces.MountPlan(tuple(roots), tuple(protect), dirs, files)
+    else:
+        warn_once(
+            "mountns",
+            "no mount namespaces: only .git at the top of a write root is protected, and "
+            "metadata outside the roots (chmod, chown, utimes, xattrs) is not read-only",
+        )
+        tops = {
+            r for r in roots if any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES)
+        }
     handled_fs = fs_rights(abi)
     attr = _RulesetAttr(handled_fs, 0, 0)
     size = 8
@@ -526,30 +434,21 @@ def prepare(
     if abi >= 6:
         size = 24
         attr.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
-    fd = int(
-        _libc.syscall(
-            ctypes.c_long(_NR_CREATE_RULESET),
-            ctypes.byref(attr),
-            ctypes.c_size_t(size),
-            ctypes.c_uint32(0),
-        )
-    )
-    if fd < 0:
-        raise _oserror("landlock_create_ruleset")
-    prepared = Prepared(fd, isolate_net=isolate_net, network=profile.network)
+    # The package's wrapper is typed for its one-field struct; the kernel reads ``size``.
+    ptr = ctypes.cast(ctypes.pointer(attr), ctypes.POINTER(RulesetAttr))
+    fd = int(_ll("landlock_create_ruleset", lambda: get_create_ruleset()(ptr, size, 0)))
+    prepared = Prepared(fd, mounts, netns, filt, profile.network)
     try:
         _add_rule(fd, "/", FS_READ_EXEC)
         _add_rule(fd, "/dev/null", FS_DEV_NULL & handled_fs, missing_ok=True)
         for root in roots:
-            if root in gits and not use_ns:
-                _add_entries_except_git(fd, root, handled_fs)
+            if root in tops:
+                _add_entries_except_protected(fd, root, handled_fs)
             else:
                 _add_rule(fd, root, handled_fs)
     except BaseException:
         prepared.close()
         raise
-    if use_ns:
-        prepared.git_binds = tuple(gits.values())
     return prepared
 
 
@@ -563,24 +462,21 @@ def _add_rule(ruleset: int, path: str, access: int, *, missing_ok: bool = False)
     try:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             access &= FS_FILE_RIGHTS  # Landlock rejects directory rights on a file (EINVAL)
-        rule = _PathBeneathAttr(access, fd)
-        rc = _libc.syscall(
-            ctypes.c_long(_NR_ADD_RULE),
-            ctypes.c_int(ruleset),
-            ctypes.c_int(_RULE_PATH_BENEATH),
-            ctypes.byref(rule),
-            ctypes.c_uint32(0),
+        # The package's struct lacks the kernel's ``packed``: it is 16 bytes, not 12, with
+        # the same first 12, and the kernel reads only those.
+        rule = PathBeneathAttr(access, fd)
+        _ll(
+            f"landlock_add_rule {path}",
+            lambda: get_add_rule()(ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0),
         )
-        if rc != 0:
-            raise _oserror(f"landlock_add_rule {path}")
     finally:
         os.close(fd)
 
 
-def _add_entries_except_git(ruleset: int, root: str, access: int) -> None:
+def _add_entries_except_protected(ruleset: int, root: str, access: int) -> None:
     with os.scandir(root) as it:
         for entry in it:
-            if entry.name == ".git" or entry.is_symlink():
+            if entry.name in PROTECTED_NAMES or entry.is_symlink():
                 continue
             try:
                 _add_rule(ruleset, entry.path, access)

@@ -38,8 +38,8 @@ import trio
 from ninep import NinePError
 from ninep.codec import DMDIR, OREAD, OTRUNC, QTDIR, QTFILE, Qid, Stat
 from ninep.server import BaseFileSystem
-from toolsrv import exec as texec
 from toolsrv import sandbox
+from toolsrv.exec import ExecResult, Executor
 from toolsrv.protocol import (
     AGENT_ID_RE,
     CALL_ENV_KEYS,
@@ -116,7 +116,7 @@ class Handle:
     consumed: bool = False  # proc/N/result: read to its end (the proc goes at clunk)
 
 
-class ToolServer(BaseFileSystem):
+class ToolServer(BaseFileSystem[Node, Handle]):
     """The application side of the 9P server: a tree per agent over one tool registry."""
 
     def __init__(
@@ -127,9 +127,11 @@ class ToolServer(BaseFileSystem):
         sandbox_dirs: list[Path],
         tmp_root: Path,
         nursery: trio.Nursery,
+        executor: Executor,
         initial_tools: tuple[str, ...] = (),
     ) -> None:
         self.key = key
+        self.executor = executor
         self.registry = registry
         self.sandbox_dirs = sandbox_dirs
         self.tmp_root = tmp_root
@@ -147,7 +149,7 @@ class ToolServer(BaseFileSystem):
         """A stable 64-bit id for a path: derived, so no table grows with every proc."""
         return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest())
 
-    def stat(self, node: Node) -> Stat:  # type: ignore[override]
+    def stat(self, node: Node) -> Stat:
         key: tuple[object, ...] = (node.agent.id, node.kind, node.arg)
         if node.proc is not None:
             key = (*key, node.proc.n)
@@ -199,7 +201,7 @@ class ToolServer(BaseFileSystem):
             if self.agents.get(agent.id) is agent:
                 del self.agents[agent.id]
 
-    async def walk(self, node: Node, name: str) -> Node:  # type: ignore[override]
+    async def walk(self, node: Node, name: str) -> Node:
         a = node.agent
         k = node.kind
         if name == "..":
@@ -241,7 +243,7 @@ class ToolServer(BaseFileSystem):
             raise NinePError("not a directory")
         raise NinePError("file not found")
 
-    async def readdir(self, node: Node) -> list[Stat]:  # type: ignore[override]
+    async def readdir(self, node: Node) -> list[Stat]:
         a = node.agent
         k = node.kind
         children: list[Node]
@@ -272,7 +274,7 @@ class ToolServer(BaseFileSystem):
 
     # ---- open, read, write ----------------------------------------------------------
 
-    async def open(self, node: Node, mode: int) -> Handle:  # type: ignore[override]
+    async def open(self, node: Node, mode: int) -> Handle:
         if node.is_dir:
             if mode & 3 != OREAD:
                 raise NinePError("is a directory")
@@ -320,7 +322,7 @@ class ToolServer(BaseFileSystem):
         agent.procs[proc.n] = proc
         return proc
 
-    async def read(self, handle: Handle, offset: int, count: int) -> bytes:  # type: ignore[override]
+    async def read(self, handle: Handle, offset: int, count: int) -> bytes:
         node = handle.node
         if node.kind == "result":
             proc = node.proc
@@ -342,7 +344,7 @@ class ToolServer(BaseFileSystem):
             raise denied()
         return handle.data[offset : offset + count]
 
-    async def write(self, handle: Handle, offset: int, data: bytes) -> int:  # type: ignore[override]
+    async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         node = handle.node
         try:
             text = data.decode()
@@ -463,7 +465,7 @@ class ToolServer(BaseFileSystem):
         tmp = self.tmp_dir(req, proc.agent)
         timeout = min(info.timeout, profile.timeout_cap)
         try:
-            res = await texec.run_tool(
+            res = await self.executor.run(
                 [info.path],
                 stdin=_json.encode(req.args),
                 cwd=req.cwd,
@@ -477,21 +479,21 @@ class ToolServer(BaseFileSystem):
             return CallResult([Content(str(err))], True)
         return render_result(res, timeout)
 
-    async def clunk(self, handle: Handle) -> None:  # type: ignore[override]
+    async def clunk(self, handle: Handle) -> None:
         node = handle.node
         proc = node.proc
         if node.kind == "result" and proc is not None and handle.consumed:
             # The result was read to its end: the proc has served its purpose.
             proc.agent.procs.pop(proc.n, None)
 
-    async def remove(self, node: Node) -> None:  # type: ignore[override]
+    async def remove(self, node: Node) -> None:
         if node.kind != "proc" or node.proc is None:
             raise denied()
         node.proc.kill()
         node.agent.procs.pop(node.proc.n, None)
 
 
-def render_result(res: texec.ExecResult, timeout: float) -> CallResult:
+def render_result(res: ExecResult, timeout: float) -> CallResult:
     """One text for the model: stdout, then what went wrong, said plainly."""
     out = res.stdout.decode(errors="replace")
     err = res.stderr.decode(errors="replace")

@@ -1,9 +1,15 @@
 """Cost of a request from its usage (SPEC 4).
 
 A provider-reported cost (OpenRouter) wins. Otherwise a built-in price table by model-name
-prefix, in USD per million tokens (input, output). Cached input costs 10% of the input price
-for Anthropic models and 50% for the others; cache creation costs 125%. Unknown models
-(local ones, mostly) cost nothing.
+prefix, in USD per million tokens (input, output). Unknown models (local ones, mostly)
+cost nothing, and so do the backends that are not billed per token: ``ollama`` runs
+locally, ``copilot`` and ``kiro`` are flat subscriptions.
+
+The token counts follow ``Usage``'s convention for every provider: ``input_tokens``
+includes the cached and the cache-creation tokens (the Anthropic backend adds them up, the
+others report them that way). So the full input price applies to ``input - cached -
+creation``; cached input costs 10% of it on Anthropic (its own backend, or a Claude model
+elsewhere) and 50% on the others; cache creation costs 125%.
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ PRICES: dict[str, tuple[float, float]] = {
     "claude-3-7-sonnet": (3.00, 15.00),
     "claude-sonnet-4": (3.00, 15.00),
     "claude-opus-4": (15.00, 75.00),
+    "claude-opus-4-5": (5.00, 25.00),
+    "claude-haiku-4-5": (1.00, 5.00),
     "gemini-1.5-flash": (0.075, 0.30),
     "gemini-1.5-pro": (1.25, 5.00),
     "gemini-2.0-flash": (0.10, 0.40),
+    "gemini-2.0-flash-lite": (0.075, 0.30),
+    "gemini-2.5-flash-lite": (0.10, 0.40),
     "gemini-2.5-flash": (0.30, 2.50),
     "gemini-2.5-pro": (1.25, 10.00),
 }
@@ -49,15 +59,21 @@ def _price(model: str) -> tuple[float, float] | None:
     return PRICES[best] if best else None
 
 
-def request_cost(model: str, usage: Usage) -> float:
+#: Backends whose requests are not billed per token.
+UNMETERED = frozenset({"ollama", "copilot", "kiro"})
+
+
+def request_cost(model: str, usage: Usage, provider: str = "") -> float:
+    """USD for one request of ``model`` on the backend called ``provider``."""
     if usage.cost is not None:
         return usage.cost
     price = _price(model)
-    if price is None:
+    if price is None or provider in UNMETERED:
         return 0.0
     pin, pout = price
-    cached_share = 0.10 if "claude" in model.lower() else 0.50
-    plain_in = max(usage.input_tokens - usage.cached_input_tokens, 0)
+    anthropic = provider == "anthropic" or "claude" in model.lower()
+    cached_share = 0.10 if anthropic else 0.50
+    plain_in = max(usage.input_tokens - usage.cached_input_tokens - usage.cache_creation_tokens, 0)
     total = (
         plain_in * pin
         + usage.cached_input_tokens * pin * cached_share

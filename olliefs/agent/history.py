@@ -62,6 +62,13 @@ class History:
     def clear(self) -> None:
         self.messages.clear()
 
+    def replace(self, messages: list[Message]) -> None:
+        """Install a compacted history. The provider-reported size of the last request
+        described the old history, so it is forgotten: until the next request reports
+        one, ``estimate()`` is the size (else a 50% trigger would fire again at once)."""
+        self.messages = list(messages)
+        self.totals.last_context_tokens = 0
+
     def estimate(self) -> int:
         return sum(estimate_tokens(message_text(m)) for m in self.messages)
 

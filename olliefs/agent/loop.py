@@ -31,6 +31,7 @@ from olliefs.backend.base import (
     BackendError,
     GenerationParams,
     Message,
+    ProviderData,
     RateLimitError,
     ToolCall,
     Usage,
@@ -139,6 +140,7 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
         reasoning: list[str] = []
         calls: tuple[ToolCall, ...] = ()
         usage: Usage | None = None
+        provider_data: ProviderData = {}
         try:
             async with host.backend().stream(
                 host.model,
@@ -157,6 +159,8 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                         calls = ev.tool_calls
                     elif ev.kind == "usage":
                         usage = ev.usage
+                    elif ev.kind == "done":
+                        provider_data = ev.provider_data  # opaque, kept with the reply
         except trio.Cancelled:
             if text or reasoning:
                 host.add_message(Message("assistant", "".join(text), "".join(reasoning)))
@@ -168,7 +172,9 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
             await _back_off(host, err, delay)
             attempt += 1
             continue
-        reply = Message("assistant", "".join(text), "".join(reasoning), calls)
+        reply = Message(
+            "assistant", "".join(text), "".join(reasoning), calls, provider_data=provider_data
+        )
         _account(host, reply, usage)
         return reply
 
@@ -191,6 +197,6 @@ def _account(host: TurnHost, reply: Message, usage: Usage | None) -> None:
             input_tokens=host.history.estimate(),
             output_tokens=estimate_tokens(reply.content + reply.reasoning),
         )
-    cost = request_cost(host.model, usage)
+    cost = request_cost(host.model, usage, host.backend().name)
     host.add_usage(usage, cost, estimated)
     host.emit("usage", msgspec.json.encode(usage).decode())

@@ -1,11 +1,20 @@
 """The backend contract: message types, the streaming interface and its typed errors.
 
-Every provider module (``openai.py`` now; ``anthropic.py``, ``ollama.py`` ... later)
-turns a provider's wire format into the same small vocabulary:
+Every provider module (``openai.py``, ``anthropic.py``, ``ollama.py``, ``gemini.py``,
+``copilot.py``, ``kiro.py``) only translates: it turns a provider's wire format into the
+same small vocabulary, and the HTTP, retry and error plumbing is shared (``stream.py``):
 
 * ``Message`` / ``ToolCall`` / ``Tool`` — what the agent sends;
 * ``StreamEvent`` — what comes back, one delta at a time;
 * ``Usage`` — token counts (and a provider-reported cost when there is one).
+
+Some providers hand out state that must come back verbatim in the next request and that
+the other fields cannot carry: Anthropic's thinking blocks with their signatures (refused
+if missing while tools are in use), Gemini's thought signatures on function calls,
+OpenRouter's ``reasoning_details``. That state travels in ``Message.provider_data``, keyed
+by the wire format that produced it (``"anthropic"``, ``"gemini"``, ``"openai"``); the
+history and the journal keep it as an opaque JSON value, each wire module reads only its
+own key, so a session that switches provider sends nothing the new one cannot read.
 
 Errors form one hierarchy, so the agent loop decides on retries by type alone::
 
@@ -29,12 +38,17 @@ import msgspec
 Role = Literal["system", "user", "assistant", "tool"]
 
 
-class ToolCall(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True, gc=False):
     """One function call requested by the model; ``arguments`` is the raw JSON text."""
 
     id: str
     name: str
     arguments: str
+
+
+#: Opaque per-provider state of a message: wire-format name -> a JSON value only that
+#: wire module reads. Kept verbatim by the history, the journal and ``context``.
+ProviderData = dict[str, Any]
 
 
 class Message(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -47,6 +61,8 @@ class Message(msgspec.Struct, frozen=True, omit_defaults=True):
     # Tool results only: how the result ages in the context (SPEC 4 result tiers). Never
     # sent to a provider; the wire formats pick their fields explicitly.
     tier: str = ""
+    # See the module docstring. Set from the ``done`` event of the reply that made it.
+    provider_data: ProviderData = msgspec.field(default_factory=dict)
 
 
 class Tool(msgspec.Struct, frozen=True):
@@ -57,7 +73,20 @@ class Tool(msgspec.Struct, frozen=True):
     parameters: dict[str, Any]
 
 
-class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
+class Usage(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """Token counts of one request, the same convention for every provider.
+
+    ``input_tokens`` counts *every* prompt token: the ones read from the provider's cache
+    (``cached_input_tokens``) and the ones written to it (``cache_creation_tokens``) are
+    parts of it, never additions. OpenAI (``prompt_tokens``), Gemini
+    (``promptTokenCount``) and Ollama already count that way; Anthropic reports the three
+    apart (``input_tokens`` is only the uncached rest), so its backend adds them up. The
+    tokens billed at the full input price are therefore ``input_tokens -
+    cached_input_tokens - cache_creation_tokens`` (``agent/cost.py``).
+
+    ``output_tokens`` includes reasoning (thinking) tokens, which providers bill as output.
+    """
+
     input_tokens: int = 0
     output_tokens: int = 0
     cached_input_tokens: int = 0
@@ -66,24 +95,40 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Sampling parameters; ``None`` leaves the provider's default.
+
+    ``thinking_budget`` is the token budget for extended thinking / reasoning: Anthropic's
+    ``thinking.budget_tokens``, Gemini's ``thinkingBudget``, Ollama's ``think``, a
+    ``reasoning_effort`` for OpenAI reasoning models (ollie-replay(1) lists the mapping).
+    0 turns thinking off where the provider allows it.
+    """
+
     max_tokens: int | None = None
     temperature: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    thinking_budget: int | None = None
 
 
 StreamKind = Literal["content", "reasoning", "tool_calls", "usage", "done"]
 
 
-class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True):
+class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """One item of a streamed reply.
+
+    (``gc=False`` here and on the structs the parsers decode: they are made by the
+    hundred thousand per stream and can hold no reference cycle, only strings, numbers
+    and JSON values; keeping them out of the cyclic collector makes parsing a third
+    faster.)
 
     * ``content`` / ``reasoning``: ``text`` holds the delta;
     * ``tool_calls``: ``tool_calls`` holds every call of the reply, complete, emitted once
       just before ``done`` (deltas are accumulated by the backend, since ids and names may
       arrive after the first argument fragments);
     * ``usage``: ``usage`` is set;
-    * ``done``: the provider terminated the stream properly; ``finish_reason`` if known.
+    * ``done``: the provider terminated the stream properly; ``finish_reason`` if known
+      (``stop``, ``length``, ``tool_calls``, ``content_filter``, or the provider's own word
+      when it has no equivalent), and ``provider_data`` to store in the reply's ``Message``.
     """
 
     kind: StreamKind
@@ -92,12 +137,15 @@ class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     usage: Usage | None = None
     finish_reason: str = ""
     response_id: str = ""
+    provider_data: ProviderData = msgspec.field(default_factory=dict)
 
 
 class Backend(Protocol):
     """A provider. ``stream`` raises the typed errors below, never raw httpx errors."""
 
     name: str
+    #: The model a session gets when none is named (each provider has its own).
+    default_model: str
 
     def stream(
         self,
@@ -123,11 +171,19 @@ class Backend(Protocol):
         """Context window of ``model`` in tokens (cached; a default when unknown)."""
         ...
 
+    def forget(self) -> None:
+        """Drop cached model lists and context lengths: the next call asks again."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
 class BackendError(Exception):
-    """Base of every backend failure; ``str()`` is a one-line message fit for ``chat``."""
+    """Base of every backend failure; ``str()`` is a one-line message fit for ``chat``.
+
+    The message starts with the backend's name and, for HTTP failures, the status
+    (``anthropic: HTTP 529: Overloaded``), and never holds the API key.
+    """
 
 
 class RateLimitError(BackendError):

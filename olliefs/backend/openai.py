@@ -2,15 +2,28 @@
 
 Compatible servers agree on the happy path and drift at the edges, so the chunk structs
 accept nulls and unknown fields everywhere, while anything that is not the agreed shape
-becomes a typed error rather than a silently shorter reply.
+becomes a typed error rather than a silently shorter reply. The drift this reads:
+
+* reasoning as ``delta.reasoning_content`` (vLLM, DeepSeek, LM Studio) or
+  ``delta.reasoning`` (OpenRouter, Ollama, newer vLLM; sometimes both, never doubled);
+  OpenRouter's ``reasoning_details`` are kept whole in ``provider_data`` and sent back
+  with the message, as OpenRouter asks for tool use with reasoning models;
+* tool calls by ``index`` with ids and names that may come late, calls without an index
+  (Gemini's compatibility endpoint sends each whole), the legacy ``function_call``;
+* usage in the last chunk (``choices: []``), OpenRouter's ``usage.cost`` in USD;
+* errors as an ``error`` object inside a 200 stream (OpenRouter) or as a 200 JSON body.
+
+Requests to reasoning models (o1, o3, o4, gpt-5) use ``max_completion_tokens`` and leave
+out the sampling parameters those models refuse; ``thinking_budget`` becomes a
+``reasoning_effort`` there, and ``reasoning.max_tokens`` on OpenRouter.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator, Mapping
-from contextlib import aclosing, asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -21,15 +34,25 @@ from olliefs.backend.base import (
     BadResponseError,
     GenerationParams,
     Message,
-    StreamDropError,
     StreamEvent,
     Tool,
     ToolCall,
     Usage,
 )
-from olliefs.backend.stream import http_error, httpx_errors, iter_sse, one_line, open_body
+from olliefs.backend.stream import (
+    HTTPBackend,
+    Secrets,
+    SSEDecoder,
+    SSEMessage,
+    bad_payload,
+    http_error,
+    one_line,
+)
 
+WIRE = "openai"  # the provider_data key of this wire format
+STREAM_TYPES = ("text/event-stream",)
 _VERSION_SEGMENT = re.compile(r"v\d+[a-z]*\d*")
+_REASONING_MODEL = re.compile(r"(o\d+(-.*)?|gpt-5(?!-chat).*)")
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -39,79 +62,85 @@ def normalize_base_url(url: str) -> str:
     A path that already ends in a version (``/v1``, ``/v1beta``, ``/api/v4``) or in
     ``/openai`` (Gemini's compatibility root) is kept as given.
     """
-    try:
-        parsed = httpx.URL(url.strip())
-    except httpx.InvalidURL as exc:
-        raise ValueError(f"invalid base URL {url!r}: {exc}") from exc
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"base URL must be http(s)://host[/path], got {url!r}")
+    parsed = parse_base_url(url)
     path = parsed.path.rstrip("/")
     if not (_VERSION_SEGMENT.fullmatch(path.rsplit("/", 1)[-1]) or path.endswith("/openai")):
         path += "/v1"
     return str(parsed.copy_with(path=path))
 
 
-class _FunctionDelta(msgspec.Struct):
+def parse_base_url(url: str) -> httpx.URL:
+    """An http(s) URL with a host, or ValueError naming what is wrong."""
+    try:
+        parsed = httpx.URL(url.strip())
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"invalid base URL {url!r}: {exc}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"base URL must be http(s)://host[/path], got {url!r}")
+    return parsed
+
+
+def is_reasoning_model(model: str) -> bool:
+    return bool(_REASONING_MODEL.fullmatch(model.lower().rsplit("/", 1)[-1]))
+
+
+# ---- the stream ----------------------------------------------------------------------------
+
+
+class _FunctionDelta(msgspec.Struct, gc=False):
     name: str | None = None
     arguments: str | None = None
 
 
-class _ToolCallDelta(msgspec.Struct):
+class _ToolCallDelta(msgspec.Struct, gc=False):
     index: int | None = None
     id: str | None = None
     function: _FunctionDelta | None = None
 
 
-class _Delta(msgspec.Struct):
+class _Delta(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning_content: str | None = None  # vLLM, DeepSeek, LM Studio
     reasoning: str | None = None  # OpenRouter, Ollama, newer vLLM (sometimes both are sent)
+    reasoning_details: list[Any] | None = None  # OpenRouter
     tool_calls: list[_ToolCallDelta] | None = None
     function_call: _FunctionDelta | None = None  # legacy single-function form
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):
     delta: _Delta | None = None
     finish_reason: str | None = None
 
 
-class _PromptTokensDetails(msgspec.Struct):
+class _PromptTokensDetails(msgspec.Struct, gc=False):
     cached_tokens: int | None = None
+    cache_write_tokens: int | None = None  # OpenRouter, for providers that charge writes
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_tokens_details: _PromptTokensDetails | None = None
     cost: float | None = None  # OpenRouter, USD
 
 
-class _Error(msgspec.Struct):
+class _Error(msgspec.Struct, gc=False):
     code: int | str | None = None
 
 
-class _Chunk(msgspec.Struct):
+class _Chunk(msgspec.Struct, gc=False):
     id: str | None = None
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
     error: _Error | str | None = None  # OpenRouter reports failures inside a 200 stream
 
 
-class _ModelEntry(msgspec.Struct):
-    id: str
-    context_length: int | None = None  # OpenRouter
-    max_model_len: int | None = None  # vLLM
-
-
-class _ModelList(msgspec.Struct):
-    data: list[_ModelEntry]
-
-
 _CHUNK = msgspec.json.Decoder(_Chunk)
-_MODELS = msgspec.json.Decoder(_ModelList)
 
 
 class _PartialCall:
+    __slots__ = ("arguments", "id", "name")
+
     def __init__(self) -> None:
         self.id = ""
         self.name = ""
@@ -127,44 +156,90 @@ class _PartialCall:
         )
 
 
-class _Reply:
-    """What one streamed reply has said so far.
+class OpenAIParser:
+    """One streamed chat completion, read incrementally (see ``stream.Parser``).
 
     Content and reasoning pass straight through; tool calls and usage are only known
     complete at ``[DONE]``, so they are kept here and emitted once, just before ``done``.
     """
 
-    def __init__(self, secret: str | None) -> None:
-        self._secret = secret
+    def __init__(self, provider: str = "openai", secrets: Secrets = None) -> None:
+        self._provider = provider
+        self._secrets = secrets
+        self._sse = SSEDecoder()
+        self.done = False
         self._calls: dict[int, _PartialCall] = {}
         self._last_index = -1
         self._usage: Usage | None = None
         self._finish_reason = ""
         self._response_id = ""
+        self._details: dict[int, dict[str, Any]] = {}
 
-    def feed(self, data: str) -> Iterator[StreamEvent]:
-        try:
-            chunk = _CHUNK.decode(data)
-        except msgspec.DecodeError as exc:
-            message = one_line(f"bad stream chunk ({exc}): {data}", self._secret)
-            raise BadResponseError(message) from exc
+    def feed(self, chunk: bytes) -> list[StreamEvent]:
+        return self._read(self._sse.feed(chunk))
+
+    def close(self) -> list[StreamEvent]:
+        return self._read(self._sse.close())
+
+    def _read(self, messages: list[SSEMessage]) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        decode = _CHUNK.decode
+        for message in messages:
+            data = message.data
+            if data[:1] != b"{":  # [DONE], an empty event, or not JSON at all
+                data = data.strip()
+                if data == b"[DONE]":
+                    self._finish(out)
+                    break
+                if not data:
+                    continue
+            try:
+                chunk = decode(data)
+            except msgspec.DecodeError as exc:
+                raise bad_payload(self._provider, data, exc, self._secrets) from exc
+            # the common case first, inline: one choice whose delta is only content
+            choices = chunk.choices
+            if choices and len(choices) == 1 and chunk.usage is None and chunk.error is None:
+                choice = choices[0]
+                delta = choice.delta
+                if (
+                    delta is not None
+                    and delta.content
+                    and choice.finish_reason is None
+                    and delta.tool_calls is None
+                    and delta.function_call is None
+                    and not (delta.reasoning or delta.reasoning_content or delta.reasoning_details)
+                ):
+                    if chunk.id:
+                        self._response_id = chunk.id
+                    out.append(StreamEvent("content", text=delta.content))
+                    continue
+            self._chunk(chunk, data, out)
+        return out
+
+    def _chunk(self, chunk: _Chunk, data: bytes, out: list[StreamEvent]) -> None:
         if chunk.error is not None:
-            raise _in_stream_error(chunk.error, data, self._secret)
-        self._response_id = chunk.id or self._response_id
+            raise in_stream_error(chunk.error, data, self._provider, self._secrets)
+        if chunk.id:
+            self._response_id = chunk.id
         if chunk.usage is not None:
             self._usage = _usage(chunk.usage)
         for choice in chunk.choices or ():
-            self._finish_reason = choice.finish_reason or self._finish_reason
+            if choice.finish_reason:
+                self._finish_reason = choice.finish_reason
             if (delta := choice.delta) is None:
                 continue
             if reasoning := delta.reasoning_content or delta.reasoning:
-                yield StreamEvent("reasoning", text=reasoning)
+                out.append(StreamEvent("reasoning", text=reasoning))
             if delta.content:
-                yield StreamEvent("content", text=delta.content)
-            for call in delta.tool_calls or ():
-                self._add(call.index, call.id, call.function)
+                out.append(StreamEvent("content", text=delta.content))
+            if delta.tool_calls:
+                for call in delta.tool_calls:
+                    self._add(call.index, call.id, call.function)
             if delta.function_call is not None:
                 self._add(0, None, delta.function_call)
+            if delta.reasoning_details:
+                self._add_details(delta.reasoning_details)
 
     def _add(self, index: int | None, call_id: str | None, function: _FunctionDelta | None) -> None:
         if index is None:  # Gemini omits it and sends each call whole, with its own id
@@ -172,19 +247,51 @@ class _Reply:
             same = last is not None and (not call_id or call_id == last.id)
             index = self._last_index if same else self._last_index + 1
         self._last_index = index
-        call = self._calls.setdefault(index, _PartialCall())
-        call.id = call_id or call.id
+        call = self._calls.get(index)
+        if call is None:
+            call = self._calls[index] = _PartialCall()
+        if call_id:
+            call.id = call_id
         if function is not None:
-            call.name = function.name or call.name
-            call.arguments.append(function.arguments or "")
+            if function.name:
+                call.name = function.name
+            if function.arguments:
+                call.arguments.append(function.arguments)
 
-    def finish(self) -> Iterator[StreamEvent]:
+    def _add_details(self, details: list[Any]) -> None:
+        """Merge streamed ``reasoning_details`` fragments by index: text is appended,
+        the other fields (signature, data, format, id) are taken as they arrive."""
+        for fragment in details:
+            if not isinstance(fragment, dict):
+                continue
+            index = fragment.get("index")
+            key = index if isinstance(index, int) else len(self._details)
+            merged = self._details.setdefault(key, {})
+            for name, value in fragment.items():
+                if name in ("text", "summary") and isinstance(value, str):
+                    merged[name] = merged.get(name, "") + value
+                elif value is not None:
+                    merged[name] = value
+
+    def _finish(self, out: list[StreamEvent]) -> None:
+        self.done = True
         if self._usage is not None:
-            yield StreamEvent("usage", usage=self._usage)
+            out.append(StreamEvent("usage", usage=self._usage))
         if self._calls:
             calls = tuple(self._calls[i].complete() for i in sorted(self._calls))
-            yield StreamEvent("tool_calls", tool_calls=calls)
-        yield StreamEvent("done", finish_reason=self._finish_reason, response_id=self._response_id)
+            out.append(StreamEvent("tool_calls", tool_calls=calls))
+        data: dict[str, Any] = {}
+        if self._details:
+            details = [self._details[i] for i in sorted(self._details)]
+            data[WIRE] = {"reasoning_details": details}
+        out.append(
+            StreamEvent(
+                "done",
+                finish_reason=self._finish_reason,
+                response_id=self._response_id,
+                provider_data=data,
+            )
+        )
 
 
 def _usage(usage: _Usage) -> Usage:
@@ -193,11 +300,14 @@ def _usage(usage: _Usage) -> Usage:
         input_tokens=usage.prompt_tokens or 0,
         output_tokens=usage.completion_tokens or 0,
         cached_input_tokens=(details.cached_tokens or 0) if details else 0,
+        cache_creation_tokens=(details.cache_write_tokens or 0) if details else 0,
         cost=usage.cost,
     )
 
 
-def _in_stream_error(error: _Error | str, data: str, secret: str | None) -> BackendError:
+def in_stream_error(
+    error: _Error | str, data: bytes | str, provider: str, secrets: Secrets
+) -> BackendError:
     """Classify an error object sent inside the stream as if it were the HTTP status.
 
     A code that is not a number is treated as a 400, so its text can still reveal an
@@ -210,10 +320,14 @@ def _in_stream_error(error: _Error | str, data: str, secret: str | None) -> Back
         status = int(code)
     else:
         status = 400
-    return http_error(status, data, secret=secret, label=f"stream error {code or ''}".strip())
+    label = f"stream error {code or ''}".strip()
+    return http_error(status, data, secret=secrets, label=label, provider=provider)
 
 
-def _wire_message(message: Message) -> dict[str, Any]:
+# ---- the request ---------------------------------------------------------------------------
+
+
+def wire_message(message: Message) -> dict[str, Any]:
     wire: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         wire["content"] = message.content or None
@@ -225,15 +339,23 @@ def _wire_message(message: Message) -> dict[str, Any]:
         wire["tool_call_id"] = message.tool_call_id
     if message.name:
         wire["name"] = message.name
+    own = message.provider_data.get(WIRE)
+    if isinstance(own, dict) and isinstance(details := own.get("reasoning_details"), list):
+        wire["reasoning_details"] = details
     return wire
 
 
-def _request_body(
-    model: str, messages: list[Message], tools: list[Tool], params: GenerationParams
-) -> bytes:
+def request_body(
+    model: str,
+    messages: list[Message],
+    tools: list[Tool],
+    params: GenerationParams,
+    *,
+    openrouter: bool = False,
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "messages": [_wire_message(m) for m in messages],
+        "messages": [wire_message(m) for m in messages],
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -249,12 +371,86 @@ def _request_body(
             }
             for t in tools
         ]
-    body.update(msgspec.to_builtins(params))  # only the parameters that are set
-    return msgspec.json.encode(body)
+    sampling = {
+        "temperature": params.temperature,
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
+    }
+    budget = params.thinking_budget
+    if is_reasoning_model(model):
+        # Reasoning models refuse max_tokens and any sampling parameter but the default.
+        if params.max_tokens is not None:
+            body["max_completion_tokens"] = params.max_tokens
+        if budget is not None and not openrouter:
+            body["reasoning_effort"] = reasoning_effort(model, budget)
+    else:
+        if params.max_tokens is not None:
+            body["max_tokens"] = params.max_tokens
+        body.update({k: v for k, v in sampling.items() if v is not None})
+    if budget is not None and openrouter:
+        body["reasoning"] = {"max_tokens": budget} if budget > 0 else {"enabled": False}
+    return body
 
 
-class OpenAIBackend:
+def reasoning_effort(model: str, budget: int) -> str:
+    """A token budget in OpenAI's words: minimal (gpt-5 only) / low / medium / high."""
+    if budget <= 0:
+        return "minimal" if "gpt-5" in model.lower() else "low"
+    if budget <= 4096:
+        return "low"
+    if budget <= 16384:
+        return "medium"
+    return "high"
+
+
+# ---- models --------------------------------------------------------------------------------
+
+
+class _Limits(msgspec.Struct, gc=False):
+    max_context_window_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+
+
+class _Capabilities(msgspec.Struct, gc=False):
+    limits: _Limits | None = None
+
+
+class _TopProvider(msgspec.Struct, gc=False):
+    context_length: int | None = None
+
+
+class _ModelEntry(msgspec.Struct, gc=False):
+    id: str
+    context_length: int | None = None  # OpenRouter
+    max_model_len: int | None = None  # vLLM
+    top_provider: _TopProvider | None = None  # OpenRouter, per routed provider
+    capabilities: _Capabilities | None = None  # GitHub Copilot
+
+    def window(self) -> int | None:
+        limits = self.capabilities.limits if self.capabilities else None
+        top = self.top_provider.context_length if self.top_provider else None
+        return (
+            self.context_length
+            or self.max_model_len
+            or top
+            or (limits and (limits.max_prompt_tokens or limits.max_context_window_tokens))
+            or None
+        )
+
+
+class _ModelList(msgspec.Struct, gc=False):
+    data: list[_ModelEntry]
+
+
+_MODELS = msgspec.json.Decoder(_ModelList)
+
+
+class OpenAIBackend(HTTPBackend):
     """One OpenAI-compatible endpoint; ``name`` is the backend's name in the pool."""
+
+    default_model = "gpt-4o-mini"
+    chat_path = "chat/completions"
+    models_path = "models"
 
     def __init__(
         self,
@@ -266,20 +462,21 @@ class OpenAIBackend:
         default_context_length: int = 128000,
         transport: httpx.AsyncBaseTransport | None = None,
         extra_headers: Mapping[str, str] | None = None,
+        default_model: str | None = None,
+        normalize: bool = True,
     ) -> None:
-        self.name = name
-        self.base_url = normalize_base_url(base_url)
-        self._key = api_key or None
-        self._default_context_length = default_context_length
-        self._context_lengths: dict[str, int] = {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         headers.update(extra_headers or {})
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(read_timeout, connect=10.0),
-            transport=transport,
+        url = normalize_base_url(base_url) if normalize else str(parse_base_url(base_url))
+        super().__init__(
+            name, url, api_key, read_timeout=read_timeout, transport=transport, headers=headers
         )
+        self.default_context_length = self._default_context_length = default_context_length
+        if default_model:
+            self.default_model = default_model
+        self._context_lengths: dict[str, int] = {}
+        self._model_ids: list[str] | None = None
+        self._openrouter = (httpx.URL(url).host or "").endswith("openrouter.ai")
 
     @asynccontextmanager
     async def stream(
@@ -289,23 +486,23 @@ class OpenAIBackend:
         tools: list[Tool],
         params: GenerationParams,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
-        body = _request_body(model, messages, tools, params)
+        body = request_body(model, messages, tools, params, openrouter=self._openrouter)
+        headers = {**_JSON_HEADERS, **(await self._request_headers())}
         request = self._client.build_request(
-            "POST", "chat/completions", content=body, headers=_JSON_HEADERS
+            "POST", self._url(self.chat_path), content=msgspec.json.encode(body), headers=headers
         )
-        with httpx_errors():
-            response = await self._client.send(request, stream=True)
-        async with open_body(response) as chunks:
-            if not response.is_success or _is_json(response):
-                with httpx_errors():
-                    error_body = b"".join([chunk async for chunk in chunks])
-                raise self._reply_error(response, error_body)
-            async with aclosing(self._events(chunks)) as events:
-                yield events
+        parser = OpenAIParser(self.name, self._secrets)
+        async with self._stream(request, parser, stream_types=STREAM_TYPES) as events:
+            yield events
 
-    def _reply_error(self, response: httpx.Response, body: bytes) -> BackendError:
-        if not response.is_success:
-            return http_error(response.status_code, body, response.headers, secret=self._key)
+    async def _request_headers(self) -> dict[str, str]:
+        """Per-request headers (Copilot adds its short-lived token here)."""
+        return {}
+
+    def _url(self, path: str) -> str:
+        return path
+
+    def _stream_error(self, response: httpx.Response, body: bytes) -> BackendError | None:
         # A 200 JSON reply: a proxy's error object, or a server that ignored stream=true.
         text = body.decode("utf-8", "replace")
         try:
@@ -313,32 +510,16 @@ class OpenAIBackend:
         except msgspec.DecodeError:
             error = None
         if error is not None:
-            return _in_stream_error(error, text, self._key)
-        return BadResponseError(one_line(f"expected an event stream, got JSON: {text}", self._key))
-
-    async def _events(self, chunks: AsyncIterable[bytes]) -> AsyncGenerator[StreamEvent, None]:
-        reply = _Reply(self._key)
-        async with aclosing(iter_sse(chunks)) as messages:
-            with httpx_errors():
-                async for message in messages:
-                    data = message.data.strip()
-                    if data == "[DONE]":
-                        break
-                    if data:
-                        for event in reply.feed(data):
-                            yield event
-                else:
-                    raise StreamDropError("the stream ended before [DONE]")
-            for event in reply.finish():
-                yield event
-            # Read on to the end of the body: only then does the connection go back to the
-            # pool. The reply is complete, so a failure here no longer matters.
-            with suppress(httpx.HTTPError):
-                async for _ in messages:
-                    pass
+            return in_stream_error(error, text, self.name, self._secrets)
+        return BadResponseError(
+            one_line(f"{self.name}: expected an event stream, got JSON: {text}", self._secrets)
+        )
 
     async def models(self) -> list[str]:
-        return [entry.id for entry in await self._model_list()]
+        if self._model_ids is None:
+            entries = await self._model_list()
+            self._model_ids = [entry.id for entry in entries]
+        return list(self._model_ids)
 
     async def context_length(self, model: str) -> int:
         if model not in self._context_lengths:
@@ -347,27 +528,16 @@ class OpenAIBackend:
             except BackendError:
                 return self._default_context_length  # not cached: the next call asks again
             for entry in entries:
-                if length := entry.context_length or entry.max_model_len:
+                if length := entry.window():
                     self._context_lengths[entry.id] = length
             self._context_lengths.setdefault(model, self._default_context_length)
         return self._context_lengths[model]
 
     async def _model_list(self) -> list[_ModelEntry]:
-        with httpx_errors():
-            response = await self._client.get("models")
-        if not response.is_success:
-            raise http_error(
-                response.status_code, response.content, response.headers, secret=self._key
-            )
-        try:
-            return _MODELS.decode(response.content).data
-        except msgspec.DecodeError as exc:
-            raise BadResponseError(one_line(f"bad model list ({exc})", self._key)) from exc
+        headers = await self._request_headers()
+        url = self._url(self.models_path)
+        return (await self._get(url, _MODELS, "model list", headers=headers)).data
 
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-
-def _is_json(response: httpx.Response) -> bool:
-    content_type: str = response.headers.get("content-type", "")
-    return content_type.split(";")[0].strip().lower() == "application/json"
+    def forget(self) -> None:
+        self._context_lengths.clear()
+        self._model_ids = None

@@ -1,20 +1,33 @@
-"""HTTP streaming helpers shared by the provider modules.
+"""HTTP streaming shared by the provider modules: framing, errors, the request cycle.
 
 Providers differ in wire format but fail in the same ways. Keeping the byte → line → SSE
-parsing and the status → error mapping here means every backend splits payloads, retries
-and reports errors on the same grounds.
+(or NDJSON) framing, the status → error mapping and the request/response cycle here means
+every backend splits payloads, retries and reports errors on the same grounds, and a
+provider module is left with what is really its own: building a request body and reading
+the provider's events (a ``Parser``).
+
+Parsers are synchronous and incremental (``feed(chunk) -> events``): the whole stream can
+be parsed without an event loop (the benchmarks and the SDK comparisons do that), the
+async side only moves bytes, and parsing stays far from being the bottleneck. Framing
+works on bytes, never on decoded text: a line break is a byte that cannot occur inside a
+UTF-8 sequence, and msgspec decodes the JSON payloads straight from bytes.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import math
-import re
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -24,91 +37,397 @@ from olliefs.backend.base import (
     BadResponseError,
     ContextOverflowError,
     RateLimitError,
+    StreamDropError,
+    StreamEvent,
     ToolUnsupportedError,
     TransientError,
 )
 
 MAX_MESSAGE_CHARS = 300
 
-_EOL = re.compile(r"\r\n|\r|\n")
 _OVERFLOW_MARKERS = (
     "context_length_exceeded",
     "maximum context length",
     "context length",
     "too many tokens",
-    "prompt is too long",
+    "prompt is too long",  # Anthropic
     "reduce the length",
     "exceeds the available context size",  # llama.cpp
+    "exceeds the maximum number of tokens",  # Gemini
+    "exceeds the limit of",  # Copilot: "prompt token count of N exceeds the limit of M"
+    "input is too long",  # CodeWhisperer / Kiro
+    "content_length_exceeds_threshold",  # CodeWhisperer ValidationException reason
 )
 _NO_TOOLS_MARKERS = (
-    "does not support tools",
+    "does not support tools",  # Ollama
     "tool use is not supported",
     "tools are not supported",
     "does not support function calling",
+    "function calling is not enabled",  # Gemini
     "tool choice requires",  # vLLM started without a tool-call parser
 )
 
+Secrets = str | Sequence[str] | None
+_T = TypeVar("_T")
 
-class SSEMessage(msgspec.Struct, frozen=True):
-    """One dispatched server-sent event; ``id`` is the last id seen, as the SSE spec keeps it."""
 
-    data: str
+# ---- framing -------------------------------------------------------------------------------
+
+
+class SSEMessage(msgspec.Struct, frozen=True, gc=False):
+    """One dispatched server-sent event; ``id`` is the last id seen, as the SSE spec keeps it.
+
+    (A Struct, not a NamedTuple: its constructor is C code, and one is made per event.)
+    """
+
+    data: bytes
     event: str = ""
     id: str = ""
 
 
-async def iter_lines(chunks: AsyncIterable[bytes]) -> AsyncGenerator[str, None]:
-    """Split a UTF-8 byte stream into lines ended by CRLF, LF or CR.
+class LineSplitter:
+    """Split a byte stream into lines ended by LF, CRLF or CR (the SSE spec allows all three).
 
-    httpx's ``aiter_lines`` uses ``str.splitlines``, which also breaks on U+2028, U+0085 and
-    other characters a JSON string may carry unescaped, cutting a payload in two. A last
-    line without terminator is still yielded.
+    A CR at the end of a chunk is held back until the next chunk says whether an LF
+    follows, so a CRLF cut in two is one line end, not two. Bytes are split before any
+    decoding: ``str.splitlines`` would also break on U+2028 and friends, which JSON may
+    carry unescaped. A leading UTF-8 BOM is dropped.
     """
-    decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
-    pending = ""  # the current line, not terminated yet
-    after_cr = False  # the last text ended in CR, so a leading LF only completes a CRLF
-    async for chunk in chunks:
-        text = decoder.decode(chunk)
-        if not text:
-            continue
-        if after_cr and text.startswith("\n"):
-            text = text[1:]
-        after_cr = text.endswith("\r")
-        if "\n" in text or "\r" in text:
-            *lines, pending = _EOL.split(pending + text)
-            for line in lines:
-                yield line
-        else:
-            pending += text
-    if rest := pending + decoder.decode(b"", final=True):
-        yield rest
+
+    __slots__ = ("_after_cr", "_parts", "_started")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []  # the current line, not terminated yet
+        self._started = False
+        self._after_cr = False  # the last chunk ended in CR: a leading LF completes a CRLF
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if not self._started:
+            head = b"".join([*self._parts, chunk])
+            if len(head) < 3 and b"\xef\xbb\xbf".startswith(head):
+                self._parts = [head] if head else []
+                return []  # could still be the start of a BOM
+            self._started, self._parts = True, []
+            chunk = head.removeprefix(b"\xef\xbb\xbf")
+        if self._after_cr and chunk:
+            self._after_cr = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if b"\n" not in chunk and b"\r" not in chunk:
+            if chunk:
+                self._parts.append(chunk)
+            return []
+        buf = b"".join(self._parts) + chunk if self._parts else chunk
+        if b"\r" in buf:
+            self._after_cr = buf.endswith(b"\r")
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = buf.split(b"\n")
+        rest = lines.pop()
+        self._parts = [rest] if rest else []
+        return lines
+
+    def close(self) -> list[bytes]:
+        """The last line, if the stream ended without a line break after it."""
+        rest = b"".join(self._parts)
+        self._parts = []
+        if not self._started:
+            rest = rest.removeprefix(b"\xef\xbb\xbf")
+        return [rest] if rest else []
 
 
-async def iter_sse(chunks: AsyncIterable[bytes]) -> AsyncGenerator[SSEMessage, None]:
-    """Parse a ``text/event-stream`` body into messages.
+class SSEDecoder:
+    """Server-sent events from bytes, incrementally (the WHATWG parsing rules).
 
-    A message still open when the stream ends is dispatched too (the spec drops it), so a
-    server that omits the last blank line does not lose its terminator.
+    Comments (``:keep-alive``) and unknown fields are skipped; ``event`` lasts for one
+    message, ``id`` until changed. A message still open when the stream ends is
+    dispatched too (the spec drops it), so a server that omits the last blank line does
+    not lose its terminator.
+
+    The bytes are cut at blank lines first, so a whole event is one slice, and the two
+    shapes providers actually send (``data: ...`` alone, or ``event: ...`` then ``data:
+    ...``) are read without looking at lines one by one; anything else takes the general
+    path. Line ends are normalized to LF first (CRLF and lone CR are line ends too); a CR
+    at the end of a read is held back until the next read says whether an LF follows.
+    What follows the last blank line waits, unread, for more bytes.
     """
-    data: list[str] = []
-    event = last_id = ""
-    async with contextlib.aclosing(iter_lines(chunks)) as lines:
-        async for line in lines:
-            if line:
-                name, _, value = line.partition(":")  # ":comment" has an empty name
-                value = value.removeprefix(" ")
-                if name == "data":
+
+    __slots__ = ("_id", "_names", "_parts", "_started")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []  # bytes after the last blank line, not read yet
+        self._id = ""
+        self._started = False
+        self._names: dict[bytes, str] = {}  # event names seen, decoded once
+
+    def feed(self, chunk: bytes) -> list[SSEMessage]:
+        if not self._started:
+            head = b"".join([*self._parts, chunk])
+            if len(head) < 3 and b"\xef\xbb\xbf".startswith(head):
+                self._parts = [head] if head else []
+                return []  # could still be the start of a BOM
+            self._started, self._parts = True, []
+            chunk = head.removeprefix(b"\xef\xbb\xbf")
+        if not chunk:
+            return []
+        parts = self._parts
+        if (
+            b"\n\n" not in chunk
+            and b"\r" not in chunk
+            and not (parts and (parts[-1][-1:] == b"\r" or (parts[-1][-1:] == b"\n" == chunk[:1])))
+        ):
+            parts.append(chunk)  # no event ends in here: keep it for later
+            return []
+        buf = b"".join(parts) + chunk if parts else chunk
+        held = False
+        if b"\r" in buf:
+            held = buf.endswith(b"\r")  # maybe half of a CRLF: decided by the next read
+            if held:
+                buf = buf[:-1]
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        blocks = buf.split(b"\n\n")
+        rest = blocks.pop()
+        if held:
+            rest += b"\r"
+        self._parts = [rest] if rest else []
+        out: list[SSEMessage] = []
+        append, last_id, names = out.append, self._id, self._names
+        for block in blocks:
+            # the two common shapes, inline: one data line, or an event line and a data line
+            if block[:6] == b"data: ":
+                if b"\n" not in block:
+                    append(SSEMessage(block[6:], "", last_id))
+                    continue
+            elif block[:7] == b"event: ":
+                nl = block.find(b"\n")
+                if block[nl + 1 : nl + 7] == b"data: " and block.find(b"\n", nl + 1) < 0:
+                    name = block[7:nl]
+                    event = names.get(name)
+                    if event is None:
+                        event = name.decode("utf-8", "replace")
+                        if len(names) < 64:
+                            names[name] = event
+                    append(SSEMessage(block[nl + 7 :], event, last_id))
+                    continue
+            self._block(block, out)
+            last_id = self._id
+        return out
+
+    def close(self) -> list[SSEMessage]:
+        rest = b"".join(self._parts)
+        self._parts = []
+        if not self._started:
+            rest = rest.removeprefix(b"\xef\xbb\xbf")
+        out: list[SSEMessage] = []
+        for block in rest.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n"):
+            self._block(block, out)
+        return out
+
+    def _block(self, block: bytes, out: list[SSEMessage]) -> None:
+        """Read one event (the text between two blank lines), field by field."""
+        data: list[bytes] = []
+        event = ""
+        for line in block.split(b"\n"):
+            if not line:  # a blank line at the start (three line ends in a row)
+                if data:
+                    out.append(SSEMessage(b"\n".join(data), event, self._id))
+                data, event = [], ""
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                data.append(value[1:] if value.startswith(b" ") else value)
+            elif not line.startswith(b":"):
+                name, _, value = line.partition(b":")
+                if value.startswith(b" "):
+                    value = value[1:]
+                if name == b"data":  # "data" alone: a field with an empty value
                     data.append(value)
-                elif name == "event":
-                    event = value
-                elif name == "id":
-                    last_id = value
-                continue
-            if data:
-                yield SSEMessage("\n".join(data), event, last_id)
-            data, event = [], ""
-    if data:
-        yield SSEMessage("\n".join(data), event, last_id)
+                elif name == b"event":
+                    event = value.decode("utf-8", "replace")
+                elif name == b"id" and b"\0" not in value:
+                    self._id = value.decode("utf-8", "replace")
+        if data:
+            out.append(SSEMessage(b"\n".join(data), event, self._id))
+
+
+class NDJSONSplitter:
+    """Newline-delimited JSON: one document a line; blank lines are skipped, CRLF allowed."""
+
+    __slots__ = ("_lines",)
+
+    def __init__(self) -> None:
+        self._lines = LineSplitter()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        return [line for line in self._lines.feed(chunk) if line.strip()]
+
+    def close(self) -> list[bytes]:
+        return [line for line in self._lines.close() if line.strip()]
+
+
+class Parser(Protocol):
+    """A provider's incremental stream reader.
+
+    ``feed`` takes body bytes as they come and returns the events they complete. Once the
+    provider's terminator has been read ``done`` is true and the caller stops feeding.
+    ``close`` is called at the end of the body when ``done`` never became true: it returns
+    what is still pending and raises ``StreamDropError`` if the stream was cut short.
+    Malformed payloads raise ``BadResponseError``; errors the provider reports inside the
+    stream raise the typed error they stand for.
+    """
+
+    done: bool
+
+    def feed(self, chunk: bytes) -> list[StreamEvent]: ...
+
+    def close(self) -> list[StreamEvent]: ...
+
+
+def parse_all(parser: Parser, chunks: Iterator[bytes] | Sequence[bytes]) -> list[StreamEvent]:
+    """Run a parser over a whole recorded body (tests, benchmarks, SDK comparisons)."""
+    out: list[StreamEvent] = []
+    for chunk in chunks:
+        out += parser.feed(chunk)
+        if parser.done:
+            return out
+    return out + parser.close()
+
+
+def decode_json(
+    decoder: msgspec.json.Decoder[_T], data: bytes, provider: str, secrets: Secrets
+) -> _T:
+    """Decode one payload, or fail with a one-line BadResponseError that shows it."""
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise bad_payload(provider, data, exc, secrets) from exc
+
+
+def bad_payload(provider: str, data: bytes, exc: Exception, secrets: Secrets) -> BadResponseError:
+    text = data.decode("utf-8", "replace")
+    return BadResponseError(one_line(f"{provider}: bad stream payload ({exc}): {text}", secrets))
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def one_line(text: str, secrets: Secrets = None) -> str:
+    """Make provider text fit one ``chat`` line, and never echo a key or token back."""
+    for secret in [secrets] if isinstance(secrets, str) else secrets or ():
+        if secret:
+            text = text.replace(secret, "***")
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
+
+
+def retry_after(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
+    """Seconds the provider asks us to wait: ``retry-after-ms`` first, it is the finer one.
+
+    ``Retry-After`` may hold seconds or an HTTP date (RFC 9110 10.2.3); a date in the
+    past means "now".
+    """
+    fields = httpx.Headers(headers)
+    if (ms := _seconds(fields.get("retry-after-ms"))) is not None:
+        return ms / 1000
+    value = fields.get("retry-after", "")
+    if (seconds := _seconds(value)) is not None:
+        return seconds
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        number = float(value or "nan")
+    except ValueError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def provider_message(body: str) -> str:
+    """The human part of an error body, whichever provider's shape it has.
+
+    OpenAI, Anthropic and Gemini nest it as ``error.message``; Ollama sends ``error`` as a
+    string; AWS services (CodeWhisperer) a top-level ``message`` or ``Message``. OpenRouter
+    wraps upstream failures as "Provider returned error" with the upstream text in
+    ``error.metadata.raw``, which is the part worth showing.
+    """
+    try:
+        doc: Any = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body
+    error = doc.get("error", doc) if isinstance(doc, dict) else doc
+    if isinstance(error, str):
+        return error
+    if not isinstance(error, dict):
+        return body
+    keys = ("message", "Message", "detail")
+    message = next((v for k in keys if isinstance(v := error.get(k), str)), body)
+    metadata = error.get("metadata")
+    if isinstance(metadata, dict) and isinstance(raw := metadata.get("raw"), str):
+        return f"{message}: {raw}"
+    return message
+
+
+def http_error(
+    status: int,
+    body: bytes | str,
+    headers: Mapping[str, str] | None = None,
+    *,
+    secret: Secrets = None,
+    label: str = "",
+    provider: str = "",
+    retry_hint: float | None = None,
+) -> BackendError:
+    """Map an error status and its body to the typed error the agent's retry logic expects.
+
+    The message reads ``<provider>: HTTP <status>: <provider's words>``; ``label``
+    replaces the ``HTTP <status>`` part for errors reported inside a stream.
+    ``retry_hint`` is a wait the body asked for (Gemini's RetryInfo), used for a 429
+    without a Retry-After header.
+    """
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    detail = provider_message(text).strip() or httpx.codes.get_reason_phrase(status)
+    prefix = f"{provider}: " if provider else ""
+    message = one_line(f"{prefix}{label or f'HTTP {status}'}: {detail}", secret)
+    lowered = text.lower()
+    if status == 429:
+        wait = retry_after(headers or {})
+        return RateLimitError(message, retry_hint if wait is None else wait)
+    if status == 408 or 500 <= status <= 599:
+        return TransientError(message)  # includes Anthropic's 529 "overloaded"
+    if status in (400, 413) and any(marker in lowered for marker in _OVERFLOW_MARKERS):
+        return ContextOverflowError(message)
+    if status in (400, 422) and any(marker in lowered for marker in _NO_TOOLS_MARKERS):
+        return ToolUnsupportedError(message)
+    return BadResponseError(message)
+
+
+def transport_error(
+    exc: httpx.HTTPError, provider: str = "", secrets: Secrets = None
+) -> BackendError:
+    """Network trouble is worth a retry; a malformed request or URL is not."""
+    prefix = f"{provider}: " if provider else ""
+    detail = one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, secrets)
+    transient = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+    if isinstance(exc, (*transient, httpx.ProxyError)):
+        return TransientError(f"{prefix}network error: {detail}")
+    return BadResponseError(f"{prefix}request failed: {detail}")
+
+
+@contextlib.contextmanager
+def httpx_errors(provider: str = "", secrets: Secrets = None) -> Iterator[None]:
+    """Let no raw httpx exception escape a backend: the agent retries by error type."""
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise transport_error(exc, provider, secrets) from exc
+
+
+# ---- the request cycle ---------------------------------------------------------------------
 
 
 @contextlib.asynccontextmanager
@@ -130,101 +449,130 @@ async def open_body(response: httpx.Response) -> AsyncIterator[AsyncIterator[byt
                 pass
 
 
-def one_line(text: str, secret: str | None = None) -> str:
-    """Make provider text fit one ``chat`` line, and never echo the API key back."""
-    if secret:
-        text = text.replace(secret, "***")
-    text = " ".join(text.split())
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
+def content_type(response: httpx.Response) -> str:
+    value: str = response.headers.get("content-type", "")
+    return value.split(";")[0].strip().lower()
 
 
-def retry_after(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
-    """Seconds the provider asks us to wait: ``retry-after-ms`` first, it is the finer one."""
-    fields = httpx.Headers(headers)
-    if (ms := _seconds(fields.get("retry-after-ms"))) is not None:
-        return ms / 1000
-    value = fields.get("retry-after", "")
-    if (seconds := _seconds(value)) is not None:
-        return seconds
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+class HTTPBackend:
+    """What every provider shares: one pooled HTTP client, the stream cycle, errors.
 
-
-def _seconds(value: str | None) -> float | None:
-    try:
-        number = float(value or "nan")
-    except ValueError:
-        return None
-    return number if math.isfinite(number) and number >= 0 else None
-
-
-def provider_message(body: str) -> str:
-    """The human part of an error body: OpenAI-style ``error.message`` when there is one.
-
-    OpenRouter wraps upstream failures as "Provider returned error" with the upstream text
-    in ``error.metadata.raw``, which is the part worth showing.
+    A subclass sets ``default_model`` and ``default_context_length``, builds its requests,
+    and gives ``_stream`` a fresh ``Parser`` per request. ``_secrets`` lists every string
+    that must never appear in a message (the key, and any token derived from it).
     """
-    try:
-        doc: Any = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body
-    error = doc.get("error", doc) if isinstance(doc, dict) else doc
-    if isinstance(error, str):
-        return error
-    if not isinstance(error, dict):
-        return body
-    message = next((v for k in ("message", "detail") if isinstance(v := error.get(k), str)), body)
-    metadata = error.get("metadata")
-    if isinstance(metadata, dict) and isinstance(raw := metadata.get("raw"), str):
-        return f"{message}: {raw}"
-    return message
 
+    default_model = ""
+    default_context_length = 128000
 
-def http_error(
-    status: int,
-    body: bytes | str,
-    headers: Mapping[str, str] | None = None,
-    *,
-    secret: str | None = None,
-    label: str = "",
-) -> BackendError:
-    """Map an error status and its body to the typed error the agent's retry logic expects.
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        key: str | None,
+        *,
+        read_timeout: float = 300.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.base_url = base_url
+        self._key = key or None
+        self._secrets: list[str] = [key] if key else []
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            headers=dict(headers or {}),
+            timeout=httpx.Timeout(read_timeout, connect=10.0),
+            transport=transport,
+        )
 
-    ``label`` replaces the default ``HTTP <status>`` prefix, for errors reported in-stream.
-    """
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    detail = provider_message(text).strip() or httpx.codes.get_reason_phrase(status)
-    message = one_line(f"{label or f'HTTP {status}'}: {detail}", secret)
-    lowered = text.lower()
-    if status == 429:
-        return RateLimitError(message, retry_after(headers or {}))
-    if status == 408 or 500 <= status <= 599:
-        return TransientError(message)
-    if status == 400 and any(marker in lowered for marker in _OVERFLOW_MARKERS):
-        return ContextOverflowError(message)
-    if status in (400, 422) and any(marker in lowered for marker in _NO_TOOLS_MARKERS):
-        return ToolUnsupportedError(message)
-    return BadResponseError(message)
+    # -- errors
 
+    def _error(
+        self, status: int, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> BackendError:
+        return http_error(status, body, headers, secret=self._secrets, provider=self.name)
 
-def transport_error(exc: httpx.HTTPError) -> BackendError:
-    """Network trouble is worth a retry; a malformed request or URL is not."""
-    detail = one_line(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-    transient = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
-    if isinstance(exc, (*transient, httpx.ProxyError)):
-        return TransientError(f"network error: {detail}")
-    return BadResponseError(f"request failed: {detail}")
+    def _errors(self) -> contextlib.AbstractContextManager[None]:
+        return httpx_errors(self.name, self._secrets)
 
+    def _stream_error(self, response: httpx.Response, body: bytes) -> BackendError | None:
+        """A provider's reading of a 2xx reply that is not a stream (None: not an error)."""
+        return None
 
-@contextlib.contextmanager
-def httpx_errors() -> Iterator[None]:
-    """Let no raw httpx exception escape a backend: the agent retries by error type."""
-    try:
-        yield
-    except httpx.HTTPError as exc:
-        raise transport_error(exc) from exc
+    def _secret(self, value: str) -> None:
+        """Redact ``value`` from every message from now on. Short-lived tokens replace one
+        another, so only the latest few are kept beside the long-lived ones."""
+        if value and value not in self._secrets:
+            self._secrets.append(value)
+            if len(self._secrets) > 12:
+                del self._secrets[4]
+
+    def _bad(self, what: str) -> BadResponseError:
+        return BadResponseError(one_line(f"{self.name}: {what}", self._secrets))
+
+    # -- requests
+
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self, request: httpx.Request, parser: Parser, *, stream_types: tuple[str, ...]
+    ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
+        """Send ``request``; yield the events ``parser`` reads from the reply.
+
+        A reply whose content type is not one of ``stream_types`` is read whole and turned
+        into an error: an HTTP error status, an error object sent with 200 (proxies do
+        that), or a server that ignored the streaming flag.
+        """
+        with self._errors():
+            response = await self._client.send(request, stream=True)
+        async with open_body(response) as chunks:
+            if not response.is_success or content_type(response) not in stream_types:
+                with self._errors():
+                    body = b"".join([chunk async for chunk in chunks])
+                if not response.is_success:
+                    raise self._error(response.status_code, body, response.headers)
+                raise self._stream_error(response, body) or self._bad(
+                    f"expected a stream ({', '.join(stream_types)}), got "
+                    f"{content_type(response) or 'no content type'}: "
+                    f"{body.decode('utf-8', 'replace')}"
+                )
+            async with contextlib.aclosing(self._events(chunks, parser)) as events:
+                yield events
+
+    async def _events(
+        self, chunks: AsyncIterable[bytes], parser: Parser
+    ) -> AsyncGenerator[StreamEvent, None]:
+        with self._errors():
+            async for chunk in chunks:
+                for event in parser.feed(chunk):
+                    yield event
+                if parser.done:
+                    break
+            else:
+                for event in parser.close():
+                    yield event
+                if not parser.done:
+                    raise StreamDropError(f"{self.name}: the stream ended before its end marker")
+        # Read on to the end of the body: only then does the connection go back to the
+        # pool. The reply is complete, so a failure here no longer matters.
+        with contextlib.suppress(httpx.HTTPError):
+            async for _ in chunks:
+                pass
+
+    async def _get(self, url: str, decoder: msgspec.json.Decoder[_T], what: str, **kw: Any) -> _T:
+        """GET (or POST with ``json=``) a JSON document, typed errors on failure."""
+        method = "POST" if "json" in kw or "content" in kw else "GET"
+        with self._errors():
+            response = await self._client.request(method, url, **kw)
+        if not response.is_success:
+            raise self._error(response.status_code, response.content, response.headers)
+        try:
+            return decoder.decode(response.content)
+        except msgspec.DecodeError as exc:
+            raise self._bad(f"bad {what} ({exc})") from exc
+
+    def forget(self) -> None:
+        """Drop cached model data; subclasses that cache more extend this."""
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

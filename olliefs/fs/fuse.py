@@ -13,12 +13,14 @@ import errno
 import functools
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
 from olliefs import errors
+from olliefs.fs import interrupt
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ class Operations(pyfuse3.Operations):
         self._lookups: dict[int, int] = {}
         self._last_ino = pyfuse3.ROOT_INODE
         self._handles: dict[int, Handle] = {}
-        self._dirs: dict[int, list[tuple[str, Node]]] = {}
+        self._dirs: dict[int, tuple[int, list[tuple[str, Node]]]] = {}
+        self._parent: dict[int, int] = {}  # inode -> the directory it was found in
         self._next_fh = 1
         self.uid, self.gid = os.getuid(), os.getgid()
 
@@ -88,10 +91,9 @@ class Operations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = self._inode(node)
         a.st_mode = node.mode
-        a.st_nlink = 2 if isinstance(node, Dir) else 1
-        a.st_size = node.size()
+        a.st_nlink = node.nlink() if isinstance(node, Dir) else 1
+        a.st_size, ns = node.stat()
         a.st_uid, a.st_gid = self.uid, self.gid
-        ns = int(node.mtime() * 1e9)
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
         a.st_blksize = 4096
         a.st_blocks = (a.st_size + 511) // 512
@@ -114,6 +116,7 @@ class Operations(pyfuse3.Operations):
             self._lookups.pop(ino, None)
             if ino == pyfuse3.ROOT_INODE:
                 continue
+            self._parent.pop(ino, None)
             node = self._nodes.pop(ino, None)
             if node is not None and self._ino.get(node.key) == ino:
                 del self._ino[node.key]
@@ -154,7 +157,9 @@ class Operations(pyfuse3.Operations):
         node = parent.lookup(self._name(name))
         if node is None or not node.valid():
             raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._entry(node)
+        a = self._entry(node)
+        self._parent[a.st_ino] = parent_inode
+        return a
 
     @translated
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -170,15 +175,27 @@ class Operations(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         node = self._node(inode)
-        if fields.update_mode or fields.update_uid or fields.update_gid:
+        # Giving a file to its owner again is what cp -p, tar and sed -i do: a no-op.
+        if (fields.update_uid and attr.st_uid != self.uid) or (
+            fields.update_gid and attr.st_gid != self.gid
+        ):
             raise pyfuse3.FUSEError(errno.EPERM)
         if fields.update_size:
             # O_TRUNC on a control or prompt file (``echo x > ctl``): nothing to cut;
-            # ftruncate on an open prompt cuts its unsubmitted text.
+            # ftruncate on an open prompt cuts its unsubmitted text; a file on disk is cut.
             if not (isinstance(node, File) and node.writable):
                 raise pyfuse3.FUSEError(errno.EACCES)
             if fh is not None:
                 self._handle(fh).truncate(attr.st_size)
+            else:
+                await node.truncate(attr.st_size)
+        if fields.update_mode:
+            await node.chmod(stat.S_IMODE(attr.st_mode))
+        if fields.update_atime or fields.update_mtime:
+            await node.set_times(
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None,
+            )
         return self._attrs(node)
 
     @translated
@@ -196,17 +213,24 @@ class Operations(pyfuse3.Operations):
         await d.prepare()
         fh = self._next_fh
         self._next_fh += 1
-        self._dirs[fh] = list(d.entries())
+        parent = self._nodes.get(self._parent.get(inode, pyfuse3.ROOT_INODE), d)
+        # "." and ".." first, then the entries sorted by name, as ls and find expect.
+        self._dirs[fh] = (inode, [(".", d), ("..", parent), *sorted(d.entries(), key=_by_name)])
         return fh
 
     @translated
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        entries = self._dirs.get(fh, [])
+        fh_inode, entries = self._dirs.get(fh, (0, []))
         for i in range(start_id, len(entries)):
             name, node = entries[i]
             if not node.valid():
                 continue
             attrs = self._attrs(node)
+            if name in (".", ".."):  # the kernel counts no lookup for these
+                if not pyfuse3.readdir_reply(token, name.encode(), attrs, i + 1):
+                    break
+                continue
+            self._parent[attrs.st_ino] = fh_inode
             if not pyfuse3.readdir_reply(token, name.encode(), attrs, i + 1):
                 if attrs.st_ino not in self._lookups:  # not sent: the kernel never knew it
                     self._nodes.pop(attrs.st_ino, None)
@@ -226,19 +250,27 @@ class Operations(pyfuse3.Operations):
         if not isinstance(node, File):
             raise pyfuse3.FUSEError(errno.EISDIR)
         acc = flags & os.O_ACCMODE
-        # root bypasses default_permissions, so the modes are enforced here as well.
+        # root bypasses default_permissions, so the modes are enforced here as well —
+        # as a disk does for root: a read-only file is never written, but root may read
+        # a write-only one (``ctl``, ``prompt``), which reads as empty (tar, rsync and
+        # cp -a as root archive a session without an error).
         if acc in (os.O_WRONLY, os.O_RDWR) and not node.writable:
             raise pyfuse3.FUSEError(errno.EACCES)
-        if acc in (os.O_RDONLY, os.O_RDWR) and not node.readable:
+        if acc in (os.O_RDONLY, os.O_RDWR) and not node.readable and ctx.uid != 0:
             raise pyfuse3.FUSEError(errno.EACCES)
         await node.prepare()
-        how = Open(pid=ctx.pid, nonblock=bool(flags & os.O_NONBLOCK), waiters=self.waiters)
-        fh = self._fh(node.open(how))
+        fh = self._fh(node.open(self._how(flags, ctx)))
         return pyfuse3.FileInfo(fh=fh, direct_io=node.direct_io, keep_cache=False)
+
+    def _how(self, flags: int, ctx: pyfuse3.RequestContext) -> Open:
+        nonblock = bool(flags & os.O_NONBLOCK)
+        return Open(pid=ctx.pid, nonblock=nonblock, waiters=self.waiters, flags=flags)
 
     @translated
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return await self._handle(fh).read(off, size)
+        # The request (caller's thread, FUSE_INTERRUPT event) for a read that blocks.
+        with interrupt.serving(pyfuse3.current_request.get()):
+            return await self._handle(fh).read(off, size)
 
     @translated
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -247,6 +279,10 @@ class Operations(pyfuse3.Operations):
     @translated
     async def flush(self, fh: int) -> None:
         await self._handle(fh).flush()
+
+    @translated
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self._handle(fh).fsync(datasync)
 
     @translated
     async def release(self, fh: int) -> None:
@@ -276,25 +312,41 @@ class Operations(pyfuse3.Operations):
     ) -> None:
         if parent_inode_old != parent_inode_new:
             raise pyfuse3.FUSEError(errno.EXDEV)
-        await self._dir(parent_inode_old).rename(self._name(name_old), self._name(name_new))
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        parent = self._dir(parent_inode_old)
+        old, new = self._name(name_old), self._name(name_new)
+        if flags & pyfuse3.RENAME_NOREPLACE and parent.lookup(new) is not None:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        await parent.rename(old, new)
 
     @translated
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        raise pyfuse3.FUSEError(errno.EACCES)
+        parent = self._dir(parent_inode)
+        node, handle = await parent.create(self._name(name), mode, self._how(flags, ctx))
+        # The kernel counts a create reply as a lookup of the new inode.
+        attrs = self._entry(node)
+        direct_io = isinstance(node, File) and node.direct_io
+        return pyfuse3.FileInfo(fh=self._fh(handle), direct_io=direct_io, keep_cache=False), attrs
 
     @translated
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        raise pyfuse3.FUSEError(errno.EACCES)
+        parent = self._dir(parent_inode)
+        return self._entry(await parent.mkdir(self._name(name), mode))
 
     @translated
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         raise pyfuse3.FUSEError(errno.EACCES)
+
+
+def _by_name(entry: tuple[str, Node]) -> str:
+    return entry[0]
 
 
 def mount_options(fsname: str = "olliefs") -> set[str]:

@@ -1,72 +1,167 @@
-"""Is the process behind a blocked read being signalled?
+"""Ending a blocked read when its reader gets a signal, at no cost while nobody does.
 
-pyfuse3 never delivers FUSE INTERRUPT, so a reader blocked in ``read(2)`` on a FUSE file
-would sit in the kernel until the daemon answers, Ctrl-C or not. The kernel does show the
-signal, though, in ``/proc/<pid>/status``: a fatal signal (default SIGINT, SIGTERM, SIGKILL)
-is queued as a pending SIGKILL on every thread, the main one included (``SigPnd``), and a
-process-directed signal that the reader catches (Ctrl-C on a terminal, ``kill``, SIGALRM)
-stays in the shared queue (``ShdPnd``) until the syscall returns. A pending signal that is
-not blocked means the reader wants out, and the blocked read gives up with EINTR.
+A process blocked in ``read(2)`` on a FUSE file sits in the kernel until the daemon
+answers. When a signal arrives the kernel sends FUSE_INTERRUPT for that one request; from
+then on it waits only for the answer, so if the daemon did not answer, not even SIGKILL
+would free the reader. Stock pyfuse3 drops FUSE_INTERRUPT; olliefs runs a pyfuse3 built
+with a small patch (``.ci/pyfuse3/``) that publishes the request being served in
+``pyfuse3.current_request``, with the caller's thread id and a ``trio.Event`` that the
+interrupt sets. The FUSE frontend hands that to this module (``serving``), and a blocked
+read (``wait``) sleeps until its data comes or its event is set: no timer, no polling,
+so a thousand idle readers cost nothing.
 
-Only the thread-group leader's status is read: reading every thread's would cost
-(threads x blocked reads) per tick, which a thousand reader threads of one process turn
-into a stall. A signal aimed at one particular non-main thread (``pthread_kill``) is
-therefore not seen; the signals a shell or a terminal sends always are.
+An interrupt does not say which signal came, and not every signal should end the read:
 
-The pid is the one that opened the file. A reader that inherited the descriptor from its
-opener (a forked child) is only seen while the opener lives; when the opener is gone the
-read is ended as well, since nobody can tell whether its reader still wants it.
+* a signal whose default action ends the process (SIGINT, SIGTERM, SIGHUP, SIGPIPE,
+  SIGALRM, ...), SIGKILL, or any signal the reader catches with a handler (Python's
+  KeyboardInterrupt, a shell's trap): the read fails with EINTR at once, the process
+  dies or runs its handler;
+* a stop signal (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU: Ctrl-Z), or one whose default is to
+  be ignored and that has no handler (SIGCHLD, SIGWINCH, SIGURG, SIGCONT): the read goes
+  on waiting. Failing it would make ``cat stream`` exit with "Interrupted system call"
+  on Ctrl-Z or on a terminal resize, and FUSE has no way to ask the kernel to restart
+  the call after the stop.
 
-Many reads blocked by the same process share one look per ``CACHE_SECONDS``.
+Which signals are pending is read once, at the interrupt, from ``/proc/<tid>/status`` of
+the thread that made the request (the pid in a FUSE request is the thread id): its own
+pending set (``SigPnd``, where a fatal signal also leaves SIGKILL on every thread), the
+process's shared one (``ShdPnd``), minus what the thread blocks (``SigBlk``) or the
+process ignores (``SigIgn``); ``SigCgt`` tells caught from default.
+
+The kernel sends FUSE_INTERRUPT only once per request. So a read that decided to go on
+waiting would not hear of a later Ctrl-C or SIGKILL; from then on, and only for that
+request, it looks at its thread's status every ``WATCH_PERIOD`` seconds until it ends.
+That is the one place left that polls, and it costs something only for a reader that
+was stopped (or resized) while blocked: the price of not failing ``cat`` on Ctrl-Z.
+
+When the thread's status cannot be read (the reader lives in a pid namespace the daemon
+does not see, so the request carries pid 0 or a number that names nobody here), the read
+fails with EINTR at the interrupt: a reader that can always be killed is worth more than
+one that survives Ctrl-Z.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
+from typing import Protocol
 
-CACHE_SECONDS = 0.05
+import trio
 
-_cache: dict[int, tuple[float, bool]] = {}
+from olliefs.errors import Interrupted
+
+log = logging.getLogger(__name__)
+
+WATCH_PERIOD = 0.1
+
+# Signals that leave a blocked read waiting when they are the only ones pending: the
+# stop signals, and those whose default action is to do nothing (unless caught).
+STOP = frozenset({signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+HARMLESS = frozenset({signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT})
+
+
+class Caller(Protocol):
+    """The request being served, as a frontend knows it (``pyfuse3.RequestContext``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def interrupted(self) -> trio.Event | None: ...
+
+
+_caller: ContextVar[Caller | None] = ContextVar("olliefs.fs.caller", default=None)
+
+
+@contextlib.contextmanager
+def serving(caller: Caller | None) -> Iterator[None]:
+    """Make ``caller`` the request that a ``wait`` in this block belongs to."""
+    token = _caller.set(caller)
+    try:
+        yield
+    finally:
+        _caller.reset(token)
 
 
 def _mask(line: str) -> int:
     return int(line.split(":", 1)[1].strip(), 16)
 
 
-def signalled(status: str) -> bool:
-    """From the text of a ``/proc/<pid>/status``: is an unblocked signal pending?"""
-    pending = shared = blocked = 0
+def wants_out(status: str) -> bool:
+    """From the text of a ``/proc/<tid>/status``: does a pending signal need the thread
+    back in user space (to die or to run a handler)?"""
+    masks = dict.fromkeys(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"), 0)
     for line in status.splitlines():
-        if line.startswith("SigPnd:"):
-            pending = _mask(line)
-        elif line.startswith("ShdPnd:"):
-            shared = _mask(line)
-        elif line.startswith("SigBlk:"):
-            blocked = _mask(line)
-    return bool((pending | shared) & ~blocked)
+        key = line.partition(":")[0]
+        if key in masks:
+            masks[key] = _mask(line)
+    live = (masks["SigPnd"] | masks["ShdPnd"]) & ~masks["SigBlk"] & ~masks["SigIgn"]
+    caught = masks["SigCgt"]
+    sig = 0
+    while live:
+        sig += 1
+        bit = 1 << (sig - 1)
+        if not live & bit:
+            continue
+        live &= ~bit
+        if sig == signal.SIGKILL or caught & bit:
+            return True
+        if sig in STOP or sig in HARMLESS:
+            continue
+        return True  # default action: terminate (or dump core)
+    return False
 
 
-def _look(pid: int) -> bool:
+def thread_wants_out(tid: int) -> bool:
+    """``wants_out`` for a thread by id; True when its status cannot be read."""
+    if tid <= 0:
+        return True
     try:
-        with open(f"/proc/{pid}/status") as f:
-            status = f.read()
-    except FileNotFoundError:
-        return True  # the reader is gone
+        with open(f"/proc/{tid}/status") as f:
+            return wants_out(f.read())
     except OSError:
-        return False
-    return signalled(status) or "\nState:\tZ" in status
+        return True
 
 
-def signal_pending(pid: int) -> bool:
-    """True when ``pid`` has an unblocked pending signal, or is gone."""
-    if pid <= 0:
-        return False
-    now = time.monotonic()
-    hit = _cache.get(pid)
-    if hit is not None and now - hit[0] < CACHE_SECONDS:
-        return hit[1]
-    if len(_cache) > 1024:
-        _cache.clear()
-    result = _look(pid)
-    _cache[pid] = (now, result)
-    return result
+async def _park_or(park: Callable[[], Awaitable[None]], event: trio.Event) -> None:
+    """Return after ``park()`` returns or ``event`` is set, whichever comes first."""
+    async with trio.open_nursery() as nursery:
+
+        async def on_interrupt() -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_interrupt)
+        await park()
+        nursery.cancel_scope.cancel()
+
+
+async def wait(ready: Callable[[], bool], park: Callable[[], Awaitable[None]]) -> None:
+    """Wait until ``ready()``, re-checking after each ``park()`` returns.
+
+    Raises ``Interrupted`` when the request being served (``serving``) is interrupted by
+    a signal that needs the reader back. Outside a request that can be interrupted it
+    just waits.
+    """
+    caller = _caller.get()
+    event = caller.interrupted if caller is not None else None
+    if caller is None or event is None:
+        while not ready():
+            await park()
+        return
+    watching = False
+    while not ready():
+        if not event.is_set():
+            await _park_or(park, event)
+            continue
+        # Interrupted (the check runs at once, then every WATCH_PERIOD: see the module).
+        if thread_wants_out(caller.pid):
+            raise Interrupted("interrupted")
+        if not watching:
+            watching = True
+            log.info("blocked read of thread %d: stopped or ignored signal, waiting on", caller.pid)
+        with trio.move_on_after(WATCH_PERIOD):
+            await park()

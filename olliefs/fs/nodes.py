@@ -17,10 +17,9 @@ Kinds:
 * ``StateWait`` one value per open: blocks until the state differs from the one at open.
 
 Blocking reads wait on the log's parking lot and wake in the same scheduler tick as the
-data. Because pyfuse3 does not deliver FUSE INTERRUPT, a waiting read also wakes every
-``INTERRUPT_CHECK`` seconds to look at the reader's pending signals
-(``olliefs.fs.interrupt``) and fails with EINTR when the reader is being signalled: that
-tick is only for Ctrl-C, never for data.
+data, or when the frontend says the request was interrupted by a signal
+(``olliefs.fs.interrupt``), and then fail with EINTR if the signal needs the reader back.
+An idle blocked read never wakes.
 """
 
 from __future__ import annotations
@@ -34,13 +33,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import trio
-
-from olliefs.errors import Denied, Interrupted, InvalidRequest, NotFound, TooMany, WouldBlock
-from olliefs.fs.interrupt import signal_pending
+from olliefs.errors import (
+    Denied,
+    InvalidRequest,
+    NotFound,
+    NotPermitted,
+    TooMany,
+    WouldBlock,
+)
+from olliefs.fs import interrupt
 from olliefs.live import GrowingLog, StateCell
 
-INTERRUPT_CHECK = 0.1
+STARTED = time.time()  # the mtime of what never changes while the daemon runs
+
+
+class Stamp:
+    """When a synthetic file last changed.
+
+    A synthetic file's text is rendered on demand, so it has no write time of its own:
+    its stamp compares each rendering with the last one seen and moves the mtime only
+    when the text changed. Editors (vim, nano, Emacs compare mtimes before saving), tar
+    and rsync (files must stand still while read) see a file that changes when its
+    content does, not one that is new at every stat.
+    """
+
+    __slots__ = ("_digest", "mtime")
+
+    def __init__(self, born: float) -> None:
+        self.mtime = born
+        self._digest: int | None = None
+
+    def seen(self, data: bytes) -> float:
+        digest = hash(data)
+        if self._digest is None:
+            self._digest = digest
+        elif digest != self._digest:
+            self._digest = digest
+            self.mtime = time.time()
+        return self.mtime
+
+
+def _ns(t: float) -> int:
+    return int(t * 1e9)
 
 
 @dataclass
@@ -58,6 +92,7 @@ class Open:
     pid: int
     nonblock: bool
     waiters: Waiters
+    flags: int = 0  # the open(2) flags: access mode, O_APPEND, O_TRUNC, O_EXCL
 
 
 class Node:
@@ -80,10 +115,25 @@ class Node:
         return 0
 
     def mtime(self) -> float:
-        return time.time()
+        return STARTED
+
+    def stat(self) -> tuple[int, int]:
+        """Size and mtime in nanoseconds together (a synthetic file renders once)."""
+        return self.size(), self.mtime_ns()
+
+    def mtime_ns(self) -> int:
+        """The mtime to report, exact where the node has one in nanoseconds (a file on
+        disk: rsync and tar compare what they set with what they read back)."""
+        return int(self.mtime() * 1e9)
 
     def valid(self) -> bool:
         return True
+
+    async def chmod(self, mode: int) -> None:
+        raise NotPermitted("the mode of this file is fixed")
+
+    async def set_times(self, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """``utimes``/``touch``: ignored where the node has no times of its own."""
 
     async def prepare(self) -> None:
         """Bring what this node shows up to date before it is looked into or opened.
@@ -95,7 +145,7 @@ class Node:
 
 class Handle:
     async def read(self, off: int, size: int) -> bytes:
-        raise Denied("not readable")
+        return b""  # a write-only file, opened for reading by root: empty
 
     async def write(self, off: int, data: bytes) -> int:
         raise Denied("not writable")
@@ -105,6 +155,9 @@ class Handle:
 
     def truncate(self, size: int) -> None:
         """``ftruncate`` on this handle; only prompt text can be cut."""
+
+    async def fsync(self, datasync: bool) -> None:
+        pass
 
     def release(self) -> None:
         pass
@@ -124,6 +177,9 @@ class File(Node):
     def open(self, how: Open) -> Handle:
         raise NotImplementedError
 
+    async def truncate(self, size: int) -> None:
+        """``truncate(2)`` by path on a writable file: nothing to cut in a control file."""
+
 
 class Dir(Node):
     perm = 0o555
@@ -132,6 +188,10 @@ class Dir(Node):
     @property
     def mode(self) -> int:
         return stat.S_IFDIR | self.perm
+
+    def nlink(self) -> int:
+        """2 plus one per sub-directory, as on a disk (``find`` relies on it)."""
+        return 2 + sum(isinstance(n, Dir) for _, n in self.entries())
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         raise NotImplementedError
@@ -151,6 +211,13 @@ class Dir(Node):
     async def rename(self, old: str, new: str) -> None:
         raise Denied(f"cannot rename {old}")
 
+    async def create(self, name: str, mode: int, how: Open) -> tuple[Node, Handle]:
+        """``open(O_CREAT)`` of a new name: the new node and a handle opened as ``how``."""
+        raise Denied(f"cannot create {name} here")
+
+    async def mkdir(self, name: str, mode: int) -> Node:
+        raise Denied(f"cannot make a directory {name} here")
+
 
 # ---- read-only text ------------------------------------------------------------------
 
@@ -169,9 +236,14 @@ class Text(File):
     render: Callable[[], str]
     live: Callable[[], bool] = lambda: True
     refresh: Callable[[], Awaitable[None]] | None = None
+    stamp: Stamp | None = None
 
     def size(self) -> int:
         return len(self.render().encode())
+
+    def stat(self) -> tuple[int, int]:
+        data = self.render().encode()
+        return len(data), _ns(self.stamp.seen(data) if self.stamp else STARTED)
 
     def valid(self) -> bool:
         return self.live()
@@ -206,7 +278,7 @@ class ControlHandle(Handle):
     async def read(self, off: int, size: int) -> bytes:
         if self.answer is None:
             if self.node.render is None:
-                raise Denied("not readable")
+                return b""  # write-only (ctl), read by root: empty
             self.answer = self.node.render().encode()
         pos = off - self.base if off >= self.base else off
         return self.answer[pos : pos + size]
@@ -230,9 +302,16 @@ class Control(File):
     render: Callable[[], str] | None = None
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
+    stamp: Stamp | None = None
 
     def size(self) -> int:
         return len(self.render().encode()) if self.render else 0
+
+    def stat(self) -> tuple[int, int]:
+        if self.render is None:
+            return 0, _ns(self.stamp.mtime if self.stamp else STARTED)
+        data = self.render().encode()
+        return len(data), _ns(self.stamp.seen(data) if self.stamp else STARTED)
 
     def valid(self) -> bool:
         return self.live()
@@ -306,6 +385,68 @@ class PromptIn(File):
         return PromptHandle(self.submit, self.refused)
 
 
+# ---- a file written whole ------------------------------------------------------------
+
+
+class CollectedHandle(Handle):
+    """Written like a file on disk (O_TRUNC, writes at offsets, ftruncate), applied
+    whole when the writer closes it: an editor's save replaces the content once."""
+
+    def __init__(self, node: Collected, trunc: bool) -> None:
+        self.node = node
+        self.buf = bytearray(b"" if trunc else node.render().encode())
+        self.dirty = False
+
+    async def read(self, off: int, size: int) -> bytes:
+        return bytes(self.buf[off : off + size])
+
+    async def write(self, off: int, data: bytes) -> int:
+        if off > len(self.buf):
+            self.buf += b"\0" * (off - len(self.buf))
+        self.buf[off : off + len(data)] = data
+        self.dirty = True
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        del self.buf[size:]
+        self.dirty = True
+
+    async def flush(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            text = bytes(self.buf).decode()
+        except UnicodeDecodeError:
+            self.node.refused(f"{self.node.key[-1]}: not valid UTF-8 (not saved)")
+            raise InvalidRequest("not valid UTF-8") from None
+        self.dirty = False
+        self.node.apply(text)
+
+
+@dataclass(eq=False)
+class Collected(File):
+    """A small rw text kept by the runtime (``plan``): read its text, replace it whole."""
+
+    key: tuple[str, ...]
+    apply: Callable[[str], None]
+    render: Callable[[], str]
+    refused: Callable[[str], None]
+    live: Callable[[], bool] = lambda: True
+    stamp: Stamp | None = None
+    perm: int = 0o666
+    direct_io = True
+
+    def stat(self) -> tuple[int, int]:
+        data = self.render().encode()
+        return len(data), _ns(self.stamp.seen(data) if self.stamp else STARTED)
+
+    def valid(self) -> bool:
+        return self.live()
+
+    def open(self, how: Open) -> Handle:
+        return CollectedHandle(self, bool(how.flags & os.O_TRUNC))
+
+
 # ---- logs and blocking reads ---------------------------------------------------------
 
 
@@ -321,12 +462,7 @@ async def wait_until(
         raise TooMany("too many blocked readers")
     how.waiters.count += 1
     try:
-        while not ready():
-            with trio.move_on_after(INTERRUPT_CHECK):
-                await park()
-                continue
-            if signal_pending(how.pid):
-                raise Interrupted("interrupted")
+        await interrupt.wait(ready, park)
     finally:
         how.waiters.count -= 1
 
@@ -394,6 +530,46 @@ class StateWait(File):
 
     def open(self, how: Open) -> Handle:
         return StateWaitHandle(self.cell, self.gone, how)
+
+
+class FifoOutHandle(Handle):
+    """One queued prompt per open: waits until one is queued, takes it, then EOF."""
+
+    def __init__(self, node: FifoOut, how: Open) -> None:
+        self.node = node
+        self.how = how
+        self.got: bytes | None = None
+
+    async def read(self, off: int, size: int) -> bytes:
+        node = self.node
+        if self.got is None:
+            taken: list[str] = []
+
+            def ready() -> bool:
+                if node.gone():
+                    return True
+                text = node.pop()
+                if text is not None:
+                    taken.append(text)
+                return bool(taken)
+
+            await wait_until(ready, node.park, self.how)
+            self.got = (taken[0] + "\n").encode() if taken else b""
+        return self.got[off : off + size]
+
+
+@dataclass(eq=False)
+class FifoOut(File):
+    key: Hashable
+    pop: Callable[[], str | None]
+    park: Callable[[], Awaitable[None]]
+    gone: Callable[[], bool]
+
+    def valid(self) -> bool:
+        return not self.gone()
+
+    def open(self, how: Open) -> Handle:
+        return FifoOutHandle(self, how)
 
 
 # ---- directories ---------------------------------------------------------------------

@@ -7,25 +7,34 @@ here plus the runtime method it calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+import re
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
-from olliefs.errors import NotFound
+from olliefs.errors import NotFound, OllieError
+from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
+    STARTED,
+    Collected,
     Control,
     Dir,
     DiskDir,
+    FifoOut,
     LogFile,
     Node,
     PromptIn,
     Script,
+    Stamp,
     StateWait,
     StaticDir,
     Text,
 )
 from olliefs.session.commands import help_text
-from olliefs.session.registry import NEW_TEMPLATE, Registry
+from olliefs.session.registry import CATALOGUE_MAX_AGE, NEW_TEMPLATE, Registry
 from olliefs.session.session import Session
+from olliefs.settings import shipped_dir
 
 HELP = """\
 olliefs: an LLM agent runtime whose interface is this file tree.
@@ -44,34 +53,50 @@ ctl commands:
 HELP_END = "\nSee ollie(1) and ollie(5).\n"
 
 
-def session_files(reg: Registry, s: Session) -> dict[str, Node]:
+def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[str, Node]:
     u = s.uid
     a = s.agent
     live = lambda: not s.closed  # noqa: E731
     fresh = reg.fresh_catalogue  # what toolsrv serves, read again if older than a second
 
-    def text(name: str, render: Callable[[], str]) -> Text:
-        return Text(("s", u, name), render, live)
+    def stamp(name: str) -> Stamp:
+        got = stamps.get(name)
+        if got is None:
+            got = stamps[name] = Stamp(s.created)
+        return got
+
+    def text(
+        name: str, render: Callable[[], str], refresh: Callable[[], Awaitable[None]] | None = None
+    ) -> Text:
+        return Text(("s", u, name), render, live, refresh, stamp(name))
 
     return {
-        "prompt": PromptIn(("s", u, "prompt"), s.submit, s.error, live=live),
+        "prompt": PromptIn(("s", u, "prompt"), s.submit, s.refused, live=live),
+        "fifo.in": PromptIn(("s", u, "fifo.in"), s.submit, s.refused, live=live),
+        "fifo.out": FifoOut(("s", u, "fifo.out"), s.pop_queued, s.queued.park, lambda: s.closed),
+        "plan": Collected(
+            ("s", u, "plan"), s.set_plan, lambda: s.plan, s.refused, live, stamp("plan")
+        ),
+        "err": text("err", lambda: s.last_error + ("\n" if s.last_error else "")),
         "prompt.prev": text("prompt.prev", lambda: s.prompt_prev + ("\n" if s.prompt_prev else "")),
         "chat": LogFile(("s", u, "chat"), s.chat),
         "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),
         "events": LogFile(("s", u, "events"), s.events, blocking=True),
         "state": text("state", lambda: s.state.value + "\n"),
         "statewait": StateWait(("s", u, "statewait"), s.state, lambda: s.closed),
-        "cfg": Control(("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live),
-        "ctl": Control(("s", u, "ctl"), s.ctl, live=live),
+        "cfg": Control(
+            ("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live, stamp=stamp("cfg")
+        ),
+        "ctl": Control(("s", u, "ctl"), s.ctl, live=live, stamp=stamp("ctl")),
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
         "usage": text("usage", a.history.totals.usage_text),
         "cost": text("cost", lambda: reg.cost_text(s)),
         "ctxsz": text("ctxsz", a.ctxsz_text),
         "context": text("context", a.context_text),
         "env": text("env", s.env_text),
-        "tools": Text(("s", u, "tools"), a.tools_text, live, fresh),
-        "systemprompt": Text(("s", u, "systemprompt"), a.systemprompt_text, live, fresh),
-        "tail": Script(("s", u, "tail"), s.tail_script, live),
+        "tools": text("tools", a.tools_text, fresh),
+        "systemprompt": text("systemprompt", a.systemprompt_text, fresh),
+        "tail": Script(("s", u, "tail"), s.tail_script, live, stamp=stamp("tail")),
         "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
         "peer": PeerDir(reg, s),
     }
@@ -139,23 +164,44 @@ class SessionsDir(Dir):
 
     perm = 0o755
 
-    def __init__(self, reg: Registry) -> None:
+    def __init__(self, reg: Registry, stamps: dict[str, Stamp]) -> None:
         self.key = ("s",)
         self.reg = reg
+        self.stamps = stamps
+        # The stamps of each session's files live as long as the session object.
+        self._session_stamps: weakref.WeakKeyDictionary[Session, dict[str, Stamp]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _fixed(self) -> dict[str, Node]:
+        reg = self.reg
+
         async def new(text: str) -> str:
-            return (await self.reg.create(text)).id + "\n"
+            try:
+                return (await reg.create(text)).id + "\n"
+            except OllieError as err:
+                reg.refused(f"s/new: {err}")
+                raise
 
         return {
             "new": Control(("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666),
-            "idx": Text(("s", "idx"), self.reg.idx_text),
+            "idx": Text(("s", "idx"), reg.idx_text, stamp=root_stamp(self.stamps, "s/idx")),
         }
 
     def _session_dir(self, s: Session) -> Node:
+        stamps = self._session_stamps.setdefault(s, {})
         return SessionDir(
-            ("s", s.uid), lambda: session_files(self.reg, s), lambda: not s.closed, born=s.created
+            ("s", s.uid),
+            lambda: session_files(self.reg, s, stamps),
+            lambda: not s.closed,
+            born=s.created,
         )
+
+    def nlink(self) -> int:
+        return 2 + len(self.reg.sessions)
+
+    def mtime(self) -> float:
+        return self.reg.changed
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         yield from self._fixed().items()
@@ -180,12 +226,13 @@ class SessionsDir(Dir):
         await s.sync()
 
 
-def tools_dir(reg: Registry) -> Dir:
+def tools_dir(reg: Registry, stamps: dict[str, Stamp]) -> Dir:
     """``t/``: what toolsrv serves — the synthetic ``idx`` and each tool's script (read-only
     here) where this machine has it."""
 
     def entries() -> dict[str, Node]:
-        out: dict[str, Node] = {"idx": Text(("t", "idx"), reg.tools_idx_text)}
+        idx = Text(("t", "idx"), reg.tools_idx_text, stamp=root_stamp(stamps, "t/idx"))
+        out: dict[str, Node] = {"idx": idx}
         for name in sorted(reg.catalogue):
             path = reg.tool_script(name)
             if path is not None:
@@ -206,15 +253,79 @@ def _reader(path: Path) -> Callable[[], str]:
     return read
 
 
+def root_stamp(stamps: dict[str, Stamp], name: str) -> Stamp:
+    got = stamps.get(name)
+    if got is None:
+        got = stamps[name] = Stamp(STARTED)
+    return got
+
+
+# ---- folders on disk (SPEC 3.1; their node kinds are in disk.py) ----------------------
+
+TOOL_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def disk_dirs(reg: Registry) -> dict[str, Node]:
+    """m/ tmp/ t/ p/ sk/ tr/ u/ x/: the user's files over the shipped ones, by name."""
+    p, shipped = reg.paths, shipped_dir()
+    data = Rules(writable=True, follow=False)  # tools write m/: never follow a symlink
+
+    async def tools_changed(names: set[str]) -> None:
+        # Written through t/: ask toolsrv now (a tool is named by its file minus suffix).
+        probe = sorted(
+            {n for n in (os.path.splitext(f)[0] for f in names) if TOOL_NAME.fullmatch(n)}
+        )
+        await reg.refresh_tools(0.0 if names else CATALOGUE_MAX_AGE, probe)
+
+    def scripts(kind: str) -> Folder:
+        return Folder(
+            (kind,),
+            p.config / "scripts" / kind,
+            [shipped / "scripts" / kind],
+            Rules(executable=True),
+        )
+
+    tools = Folder(
+        ("t",),
+        p.config / "tools",
+        [shipped / "tools"],
+        Rules(writable=True, new_mode=0o755),
+        extra=lambda: {"idx": tools_idx},
+        refresh=tools_changed,
+    )
+    # Opening idx brings the catalogue up to date as a lookup in t/ does.
+    tools_idx = Generated(("t", "idx"), reg.tools_idx_text, refresh=tools.prepare)
+    return {
+        "m": Folder(("m",), p.memory, rules=data),
+        "tmp": Folder(("tmp",), p.scratch, rules=Rules(writable=True, follow=False, tree=True)),
+        "t": tools,
+        "p": Folder(("p",), p.config / "prompts", [shipped / "prompts"]),
+        "sk": Skills(("sk",), p.config / "skills"),
+        "tr": Folder(
+            ("tr",), p.transcripts, rules=Rules(removable=True, follow=False, shown=not_partial)
+        ),
+        "u": scripts("u"),
+        "x": scripts("x"),
+    }
+
+
 def root(reg: Registry) -> Dir:
-    sessions = SessionsDir(reg)
+    stamps: dict[str, Stamp] = {}
+    sessions = SessionsDir(reg, stamps)
+    disk = disk_dirs(reg)  # made once: each folder keeps the nodes the kernel holds
+
+    def text(name: str, render: Callable[[], str]) -> Text:
+        return Text((name,), render, stamp=root_stamp(stamps, name))
+
     return StaticDir(
         ("/",),
         lambda: {
-            "backends": Text(("backends",), reg.backends_text),
-            "help": Text(("help",), lambda: HELP + help_text() + HELP_END),
+            "backends": text("backends", reg.backends_text),
+            "help": text("help", lambda: HELP + help_text() + HELP_END),
+            "err": text("err", lambda: reg.last_error + ("\n" if reg.last_error else "")),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,
-            "t": tools_dir(reg),
+            **disk,
         },
+        born=STARTED,
     )

@@ -104,6 +104,12 @@ class Rewind(msgspec.Struct, tag="rewind"):
     branch: int
 
 
+class Plan(msgspec.Struct, tag="plan"):
+    """The agent's plan (the ``plan`` file), replaced whole."""
+
+    text: str
+
+
 Record = (
     Create
     | Prompt
@@ -120,6 +126,7 @@ Record = (
     | Dropped
     | MaxSteps
     | Rewind
+    | Plan
 )
 
 _encoder = msgspec.json.Encoder()

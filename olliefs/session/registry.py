@@ -8,7 +8,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import trio
 
 from olliefs.agent.agent import Services
 from olliefs.agent.config import Cfg, resolve_cwd
+from olliefs.agent.events import Event, encode_line
 from olliefs.agent.runtime import ToolLink
 from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
@@ -63,6 +64,8 @@ class Registry:
         self.sessions: dict[str, Session] = {}
         self._reserved: set[str] = set()  # names of sessions being created
         self.max_depth = _int(settings.get("OLLIE_SUBAGENT_DEPTH"), 3)
+        self.last_error = ""  # the root ``err`` file: last refused write outside a session
+        self.changed = time.time()  # when s/ last gained or lost a session
         self.logs_dir = paths.state / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.events = GrowingLog(self.logs_dir / "events")
@@ -141,8 +144,12 @@ class Registry:
         prompt = self.profile(agent).get("prompt", "")
         return prompt if isinstance(prompt, str) else ""
 
-    async def refresh_tools(self, max_age: float = 0.0) -> None:
+    async def refresh_tools(self, max_age: float = 0.0, probe: Sequence[str] = ()) -> None:
         """Read what toolsrv serves, unless the last read is younger than ``max_age``.
+
+        ``probe``: tool names just written through ``t/``, asked for by name first; an
+        unknown name makes toolsrv rescan its dirs at once, where a listing may be up to a
+        second old.
 
         toolsrv not reachable: the catalogue stays as it was and the reason is logged;
         the tree shows what it knew.
@@ -152,6 +159,8 @@ class Registry:
                 return
             try:
                 conn = await self._tree_link.conn()
+                if probe:
+                    await conn.metas(list(probe))
                 self.catalogue = await conn.metas(await conn.names())
             except ToolsrvError as err:
                 log.warning("tool catalogue not read: %s", err)
@@ -220,6 +229,14 @@ class Registry:
         if len(lines) > 1:
             lines.append(f"costTotal=${total:.4f}\n")
         return "".join(lines)
+
+    def refused(self, reason: str) -> None:
+        """A write outside any session was refused: the reason in the root ``err``, as
+        an ``error`` event on the root ``events``, and in the log."""
+        self.last_error = reason
+        log.info("refused: %s", reason)
+        ev = Event(time.time(), "", "", "error", "", reason)
+        self.events.append(encode_line(ev))
 
     def check_new_name(self, name: str) -> None:
         if not NAME_RE.fullmatch(name) or name in RESERVED:
@@ -393,6 +410,7 @@ class Registry:
 
     def _start(self, s: Session) -> None:
         self.sessions[s.id] = s
+        self.changed = time.time()
         self._nursery.start_soon(s.run, name=f"session {s.uid}")
 
     def rename(self, s: Session, new: str) -> None:
@@ -404,6 +422,7 @@ class Registry:
         del self.sessions[old]
         s.id = new
         self.sessions[new] = s
+        self.changed = time.time()
         s.emit("info", f"renamed from {old} to {new}")
 
     def kill(self, s: Session) -> Awaitable[None] | None:
@@ -416,6 +435,7 @@ class Registry:
         if self.sessions.get(s.id) is not s:
             return None
         del self.sessions[s.id]
+        self.changed = time.time()
         s.emit("info", "session killed")
         s.close()
         s.discard()

@@ -127,6 +127,9 @@ class Session:
         # History index where each turn began (its prompt), for ``rewind``.
         self.turn_starts: list[int] = []
         self.branches = 0  # how many rewinds kept a branch
+        self.last_error = ""  # the reason of the last refused write (the ``err`` file)
+        self.plan = ""
+        self.queued = trio.lowlevel.ParkingLot()  # fifo.out readers wait here
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
         self.agent = Agent(
@@ -211,6 +214,29 @@ class Session:
     def error(self, message: str) -> None:
         self.emit("error", message)
 
+    def refused(self, reason: str) -> None:
+        """A write to this session was refused: the reason in ``err``, in chat as an
+        ``error:`` line, in the events (root ``events`` too) and in the daemon log."""
+        self.last_error = reason
+        log.info("session %s: refused: %s", self.id, reason)
+        self.error(reason)
+
+    def set_plan(self, text: str) -> None:
+        self.record(persist.Plan(text))
+        self.plan = text
+        self.emit("info", "plan updated" if text.strip() else "plan cleared")
+
+    def pop_queued(self) -> str | None:
+        """``fifo.out``: take the next queued prompt away (it will not run)."""
+        if not self.queue:
+            return None
+        seq, text = self.queue.popleft()
+        self.record(persist.Dropped([seq]))
+        self.emit("info", "a queued prompt was taken through fifo.out")
+        if not self.queue and not self.running:
+            self.set_state("idle")
+        return text
+
     # ---- prompts and the turn runner ------------------------------------------------
 
     async def submit(self, text: str) -> None:
@@ -234,6 +260,7 @@ class Session:
         await self.sync()
         self.queue.append((seq, text))
         self._queue_lot.unpark_all()
+        self.queued.unpark_all()
         self.set_state("thinking")  # running or queued, as soon as it is acknowledged
 
     async def sync(self) -> None:
@@ -388,7 +415,7 @@ class Session:
             commands.check_text(text, "request")
             actions = [prepare(line) for line in text.splitlines() if line.strip()]
         except (InvalidRequest, Busy) as err:
-            self.error(str(err))
+            self.refused(str(err))
             raise
         later = [a for a in (act() for act in actions) if a is not None]
         await self.sync()
@@ -497,6 +524,8 @@ class Session:
                     self.turn_starts.clear()
                 elif isinstance(rec, persist.Dropped):
                     dropped.update(rec.seqs)
+                elif isinstance(rec, persist.Plan):
+                    self.plan = rec.text
                 elif isinstance(rec, persist.MaxSteps):
                     self.agent.max_steps = rec.n
                 elif isinstance(rec, persist.Rewind):

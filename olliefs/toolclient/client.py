@@ -38,6 +38,18 @@ class ToolsrvError(Exception):
     """toolsrv refused or could not be reached; ``str()`` is fit for ``chat``."""
 
 
+CUT = "toolsrv died; the call was cut"
+"""The answer to a call whose toolsrv connection was lost while it ran."""
+
+
+def _first(group: BaseExceptionGroup[NinePError]) -> NinePError:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, NinePError)
+    return exc
+
+
 @dataclass
 class Slot:
     """A proc made ready ahead of its call: ``call`` open for writing, ``result`` for reading."""
@@ -132,6 +144,8 @@ class ToolsrvConn:
                 c.clunk_nowait(slot.result)
                 self._refill()
         except NinePError as err:
+            if self.client.lost is not None:
+                raise ToolsrvError(CUT) from None
             raise ToolsrvError(f"toolsrv: {tool}: {err.ename}") from None
 
     async def _take_slot(self) -> Slot:
@@ -161,17 +175,24 @@ class ToolsrvConn:
         refused write ends the pending read (flushed) and is what the caller sees."""
         refused: list[NinePError] = []
         result = b""
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
 
-            async def write() -> None:
-                try:
-                    await self.client.write(slot.call, 0, req)
-                except NinePError as err:
-                    refused.append(err)
-                    nursery.cancel_scope.cancel()
+                async def write() -> None:
+                    try:
+                        await self.client.write(slot.call, 0, req)
+                    except NinePError as err:
+                        refused.append(err)
+                        nursery.cancel_scope.cancel()
 
-            nursery.start_soon(write)
-            result = await self._read_result(slot.result)
+                nursery.start_soon(write)
+                result = await self._read_result(slot.result)
+        except BaseExceptionGroup as group:
+            # The read failed too (the connection went away): one NinePError, not a group.
+            nine, rest = group.split(NinePError)
+            if nine is None or rest is not None:
+                raise
+            raise _first(nine) from None
         if refused:
             raise refused[0]
         return result

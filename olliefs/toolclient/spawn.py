@@ -23,7 +23,7 @@ from pathlib import Path
 
 import trio
 
-from olliefs.settings import Paths, private_file
+from olliefs.settings import Paths, private_file, shipped_dir
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ class Toolsrv:
 
     async def _ensure(self) -> tuple[str, bytes]:
         async with self._lock:
+            proc = self._proc
+            if proc is not None and proc.returncode is None and not os.path.exists(self._socket):
+                # The server died and its keeper is killing what it left (its socket is
+                # gone first): that takes milliseconds; then a new one is spawned.
+                with trio.move_on_after(5):
+                    await proc.wait()
             if not self.alive:
                 await self._spawn()
             assert self._key is not None
@@ -70,6 +76,9 @@ class Toolsrv:
         # One name per spawn: a toolsrv of a crashed daemon may still be on its way out.
         sock = self.paths.run / f"toolsrv-{os.getpid()}-{self.spawns}.sock"
         key = secrets.token_bytes(32)
+        # toolsrv knows nothing of olliefs: it is told every dir, the user's first (they win
+        # by name), then the shipped defaults.
+        shipped = shipped_dir()
         argv = [
             sys.executable,
             "-m",
@@ -78,10 +87,20 @@ class Toolsrv:
             str(sock),
             "--tools-dir",
             str(self.paths.config / "tools"),
+            "--tools-dir",
+            str(shipped / "tools"),
             "--sandbox-dir",
             str(self.paths.config / "sandbox"),
+            "--sandbox-dir",
+            str(shipped / "sandbox"),
             "--tmp-dir",
             str(self.tmp_root),
+            # What no tool may reach: the daemon's sockets (run/, toolsrv's own socket
+            # among them) and the API keys of the config env file.
+            "--hide",
+            str(self.paths.run),
+            "--hide",
+            str(self.paths.env_file),
             "--exit-with-stdin",
             "--log-level",
             self.settings.get("OLLIE_TOOLSRV_LOG_LEVEL", "INFO"),

@@ -24,6 +24,7 @@ from landlock.plumbing import landlock_abi_version
 
 from olliefs.cli import parser
 from olliefs.replay import ReplayServer
+from olliefs.settings import shipped_dir
 from olliefs.testing import HAVE_FUSE
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse (mounts for real)")
@@ -110,7 +111,7 @@ def test_mount_returns_when_usable_and_umount_stops(cli: Cli) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"mounted at {cli.mnt}")
     # usable at once: no waiting after the command returned
-    assert sorted(os.listdir(cli.mnt)) == ["backends", "events", "help", "s", "t"]
+    assert {"backends", "events", "help", "s", "t"} <= set(os.listdir(cli.mnt))
     with open(cli.mnt / "s" / "new", "r+") as f:
         f.write(f"name=x cwd={cli.mnt.parent}")
         f.flush()
@@ -333,11 +334,19 @@ def test_doctor_on_this_machine(cli: Cli, tmp_path: Path) -> None:
         lines["backend"],
     ), lines["backend"]
 
-    # ollie mount copies the shipped defaults today: each is an identical override
-    assert "agents/default.json (identical to the shipped file" in lines["overrides"]
-    (cli.home / "config" / "sandbox" / "default.toml").write_text("# mine\n")
+    # nothing shipped is copied into the config dir: no override
+    assert lines["overrides"].startswith("ok   overrides: none")
+    config = cli.home / "config"
+    (config / "agents").mkdir(exist_ok=True)
+    shutil.copy(shipped_dir() / "profiles" / "default.json", config / "agents")
+    (config / "sandbox").mkdir(exist_ok=True)
+    (config / "sandbox" / "default.toml").write_text("# mine\n")
+    (config / "agents" / "mine.json").write_text("{}")  # not a shipped name
     _, lines = doctor(cli)
-    assert re.search(r"sandbox/default\.toml(,|$)", lines["overrides"]), lines["overrides"]
+    assert lines["overrides"] == (
+        f"ok   overrides: 2 in {config}: agents/default.json (identical to the shipped file:"
+        " remove it to follow upgrades), sandbox/default.toml"
+    )
 
 
 def test_doctor_says_what_fails_and_how_to_fix_it(

@@ -636,3 +636,195 @@ def test_cli_startup_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "occupied"]
     assert occupied.is_dir()
     assert replay_threads() == []
+
+
+# --- every wire format ----------------------------------------------------------------------
+
+KEY = "sk-replay-test"
+
+
+def post_raw(server: ReplayServer, path: str, body: dict[str, Any], headers: str = "") -> bytes:
+    """A request over a raw socket; the response body, de-chunked and checked complete."""
+    data = msgspec.json.encode(body)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(
+            b"POST %b HTTP/1.1\r\nHost: replay\r\nContent-Type: application/json\r\n%b"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%b"
+            % (path.encode(), headers.encode(), len(data), data)
+        )
+        raw = read_all(sock)
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    chunks, complete = dechunk(rest)
+    assert complete
+    return b"".join(chunks)
+
+
+def test_anthropic_wire(serve: Serve, client: httpx.Client) -> None:
+    server = serve(
+        [Entry(reasoning="hm", reply="Hi", tool_calls=(EntryToolCall(name="ls", id="t1"),))],
+        key=KEY,
+    )
+    body = {"model": "claude", "max_tokens": 10, "stream": True, "messages": USER}
+    url = f"{server.base_url}/v1/messages"
+    r = client.post(url, json=body, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and "anthropic-version" in r.json()["error"]["message"]
+    r = client.post(url, json=body, headers={"anthropic-version": "2023-06-01"})
+    assert (r.status_code, r.json()["error"]["type"]) == (401, "authentication_error")
+    auth = f"x-api-key: {KEY}\r\nanthropic-version: 2023-06-01\r\n"
+    events = post_raw(server, "/v1/messages", body, auth).split(b"\n\n")[:-1]
+    kinds = [e.split(b"\n")[0].removeprefix(b"event: ").decode() for e in events]
+    assert kinds == [
+        "message_start",
+        *["content_block_start", "content_block_delta", "content_block_delta"],
+        "content_block_stop",  # thinking, then its signature
+        *["content_block_start", "content_block_delta", "content_block_stop"],  # text
+        *["content_block_start", "content_block_delta", "content_block_stop"],  # tool_use
+        "message_delta",
+        "message_stop",
+    ]
+    data = [msgspec.json.decode(e.split(b"\ndata: ")[1]) for e in events]
+    assert data[3]["delta"] == {"type": "signature_delta", "signature": "sig-1"}
+    assert data[-2]["delta"]["stop_reason"] == "tool_use"
+    models = client.get(
+        f"{server.base_url}/v1/models",
+        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+    ).json()
+    assert models["data"][0]["id"] == "replay" and models["has_more"] is False
+
+
+def test_ollama_wire(serve: Serve, client: httpx.Client) -> None:
+    server = serve([Entry(reply="Hi there", chunk=3)], context_length=8192)
+    body = {"model": "replay", "messages": USER}  # Ollama streams unless told not to
+    lines = post_raw(server, "/api/chat", body).split(b"\n")
+    assert lines[-1] == b""
+    docs = [msgspec.json.decode(line) for line in lines[:-1]]
+    assert "".join(d["message"]["content"] for d in docs) == "Hi there"
+    assert [d["done"] for d in docs] == [False, False, False, True]
+    assert docs[-1]["done_reason"] == "stop" and docs[-1]["eval_count"] >= 1
+    assert client.get(f"{server.base_url}/api/tags").json()["models"][0]["name"] == "replay"
+    show = client.post(f"{server.base_url}/api/show", json={"model": "replay"}).json()
+    assert show["model_info"]["replay.context_length"] == 8192
+    assert client.post(f"{server.base_url}/api/show", json={"model": "x"}).status_code == 404
+
+
+def test_gemini_wire(serve: Serve, client: httpx.Client) -> None:
+    server = serve([Entry(reply="Hi", status=429, retry_delay="9s")], key=KEY)
+    path = "/v1beta/models/replay:streamGenerateContent"
+    r = client.post(f"{server.base_url}{path}", json={"contents": []}, params={"key": KEY})
+    assert r.status_code == 400  # only alt=sse is served
+    r = client.post(f"{server.base_url}{path}?alt=sse", json={"contents": []})
+    assert (r.status_code, r.json()["error"]["status"]) == (401, "UNAUTHENTICATED")
+    r = client.post(f"{server.base_url}{path}?alt=sse&key={KEY}", json={"contents": []})
+    assert r.status_code == 429
+    assert r.json()["error"]["details"][0]["retryDelay"] == "9s"
+    body = {"contents": [{"role": "user", "parts": [{"text": "hello"}]}]}
+    events = post_raw(server, f"{path}?alt=sse", body, f"x-goog-api-key: {KEY}\r\n")
+    assert events.endswith(b"\r\n\r\n")
+    docs = [msgspec.json.decode(e[6:]) for e in events.split(b"\r\n\r\n")[:-1]]
+    text = "".join(p.get("text", "") for d in docs for p in d["candidates"][0]["content"]["parts"])
+    assert text == "echo: hello"
+    assert docs[-1]["candidates"][0]["finishReason"] == "STOP"
+    listed = client.get(f"{server.base_url}/v1beta/models", headers={"x-goog-api-key": KEY})
+    assert listed.json()["models"][0]["name"] == "models/replay"
+
+
+def test_copilot_token_exchange_and_editor_headers(serve: Serve, client: httpx.Client) -> None:
+    server = serve(key=KEY)
+    url = f"{server.base_url}/copilot_internal/v2/token"
+    assert client.get(url, headers={"Authorization": "token wrong"}).status_code == 401
+    token = client.get(url, headers={"Authorization": f"token {KEY}"}).json()
+    assert token["endpoints"]["api"] == server.base_url and token["refresh_in"] > 0
+    chat = f"{token['endpoints']['api']}/chat/completions"
+    body = {"model": "m", "messages": USER, "stream": True}
+    bearer = {"Authorization": f"Bearer {token['token']}"}
+    r = client.post(chat, json=body, headers=bearer)
+    assert r.status_code == 400 and "Editor-Version" in r.json()["error"]["message"]
+    editor = {**bearer, "Editor-Version": "vscode/1", "Copilot-Integration-Id": "vscode-chat"}
+    assert client.post(chat, json=body, headers=editor).status_code == 200
+    models = client.get(f"{server.base_url}/models", headers=editor).json()["data"]
+    assert models[0]["capabilities"]["limits"]["max_prompt_tokens"] == 128000
+    assert server.recorded[-1].headers["copilot-integration-id"] == "vscode-chat"
+
+
+def test_kiro_wire(serve: Serve, client: httpx.Client) -> None:
+    from olliefs.backend.kiro import EventStreamDecoder
+
+    server = serve([Entry(reply="Hey", tool_calls=(EntryToolCall(name="ls", id="u1"),))], key=KEY)
+    refreshed = client.post(f"{server.base_url}/refreshToken", json={"refreshToken": KEY}).json()
+    body = {
+        "conversationState": {
+            "currentMessage": {"userInputMessage": {"content": "hi", "modelId": "claude"}}
+        }
+    }
+    auth = f"Authorization: Bearer {refreshed['accessToken']}\r\n"
+    frames = EventStreamDecoder().feed(post_raw(server, "/generateAssistantResponse", body, auth))
+    kinds = [f.headers[":event-type"] for f in frames]
+    assert kinds == [
+        "messageMetadataEvent",
+        "assistantResponseEvent",
+        "toolUseEvent",
+        "toolUseEvent",
+        "meteringEvent",
+    ]
+    assert msgspec.json.decode(frames[3].payload) == {"toolUseId": "u1", "name": "ls", "stop": True}
+    r = client.post(f"{server.base_url}/generateAssistantResponse", json=body)
+    assert r.status_code == 403
+
+
+def test_raw_bytes_are_replayed_exactly(serve: Serve) -> None:
+    raw = b"data: one\n\ndata: two\r\n\r\n: comment\n\ndata: [DONE]"
+    server = serve([Entry(raw=raw, raw_chunk=7), Entry(raw=raw, raw_chunk=5, drop_after=12)])
+    with raw_post(server, {"model": "m", "messages": USER, "stream": True}) as sock:
+        chunks, complete = dechunk(read_all(sock).partition(b"\r\n\r\n")[2])
+    assert complete and b"".join(chunks) == raw
+    assert [len(c) for c in chunks] == [7] * (len(raw) // 7) + [len(raw) % 7]
+    with raw_post(server, {"model": "m", "messages": USER, "stream": True}) as sock:
+        chunks, complete = dechunk(read_all(sock).partition(b"\r\n\r\n")[2])
+    assert not complete and b"".join(chunks) == raw[:12]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "marker"),
+    [
+        ("/v1/chat/completions", {"model": "m", "messages": USER, "stream": True}, b'"code":502'),
+        ("/api/chat", {"model": "m", "messages": USER}, b'{"error":"overloaded"}\n'),
+    ],
+)
+def test_errors_inside_a_stream(
+    serve: Serve, path: str, body: dict[str, Any], marker: bytes
+) -> None:
+    server = serve(
+        [Entry(reply="abcdefgh", status=502, error="overloaded", in_stream=True, drop_after=1)]
+    )
+    data = post_raw(server, path, body)
+    last = data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    assert marker.strip() in last and data.endswith(b"\n")
+    assert b"[DONE]" not in data and b'"done":true' not in data and b"efgh" not in data
+
+
+def test_keepalives_and_a_last_event_without_blank_line(serve: Serve) -> None:
+    server = serve([Entry(reply="abcdefgh", keepalive=True, no_final_newline=True)])
+    data = post_raw(
+        server, "/v1/chat/completions", {"model": "m", "messages": USER, "stream": True}
+    )
+    assert data.count(b": keep-alive\n\n") == 1  # between the two deltas
+    assert data.endswith(b"data: [DONE]")
+
+
+def test_cli_env_flag(tmp_path: Path) -> None:
+    port_file = tmp_path / "port"
+    argv = [sys.executable, "-c", CLI, "--env", "--key", "k1", "--port-file", str(port_file)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        settings = dict(proc.stdout.readline().strip().split("=", 1) for _ in range(14))
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=TIMEOUT)
+    base = first.strip().removeprefix("replay server listening on ").removesuffix("/v1")
+    assert settings["OLLIE_ANTHROPIC_URL"] == base
+    assert settings["OLLIE_OPENAI_URL"] == f"{base}/v1"
+    assert settings["OLLIE_COPILOT_TOKEN_URL"] == f"{base}/copilot_internal/v2/token"
+    assert settings["OLLIE_KIRO_KEY"] == "k1"
+    assert proc.returncode == 0

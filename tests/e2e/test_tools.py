@@ -174,6 +174,7 @@ echo alone
 
 def test_read_safe_calls_run_in_parallel_others_in_order(daemon: Daemon) -> None:
     tools = daemon.home / "config" / "tools"
+    tools.mkdir(exist_ok=True)  # nothing is copied there any more
     for me, other in (("meet_a", "meet_b"), ("meet_b", "meet_a")):
         p = tools / me
         p.write_text(RENDEZVOUS.replace("$OTHER", other))
@@ -246,6 +247,7 @@ seq 1 30000
 def test_big_results_are_cut_with_a_note(daemon: Daemon) -> None:
     w = workdir(daemon)
     big = daemon.home / "config" / "tools" / "big"
+    big.parent.mkdir(exist_ok=True)
     big.write_text(BIG)
     big.chmod(0o755)
     daemon.replay.add(script(calls(call("big", {}, "c1")), reply("long")))
@@ -285,6 +287,43 @@ def test_stop_kills_a_running_tool(daemon: Daemon) -> None:
     daemon.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids))
     ctx = context(daemon, sid)
     assert ctx[-1]["role"] == "tool" and ctx[-1]["tool_call_id"] == "c1"
+
+
+def test_sigkill_of_toolsrv_mid_call_cuts_the_call_and_the_turn_goes_on(daemon: Daemon) -> None:
+    """toolsrv SIGKILLed while a tool runs: the tool, its background child and a setsid()
+    escapee die with it; the call is answered plainly; the turn and the next prompt go on."""
+    w = workdir(daemon)
+    code = (
+        "(setsid sleep 4242 & echo $! >> pids); (trap '' TERM; sleep 1000) & echo $! >> pids;"
+        " echo $$ >> pids; wait"
+    )
+    think = calls(call("reasoning_think", {"thought": "x"}, "c2"))
+    daemon.replay.add(
+        script(
+            calls(call("execute_code", {"code": code}, "c1")), reply("went on"), think, reply("two")
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code\ntool_load reasoning_think")
+    daemon.prompt(sid, "go")
+    pids_file = w / "pids"
+    daemon.wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 3)
+    pids = [int(x) for x in pids_file.read_text().split()]
+    assert all(os.path.exists(f"/proc/{p}") for p in pids)
+    (server,) = toolsrv_pids(daemon)
+    daemon.allowed_errors.append("toolsrv")  # its death is logged as a warning
+    os.kill(server, signal.SIGKILL)
+    daemon.wait_idle(sid)
+    daemon.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids))
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "[tool error] toolsrv died; the call was cut\n" in chat
+    assert chat.endswith("assistant: went on\n") and "internal error" not in chat
+    daemon.prompt(sid, "again")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert '-> reasoning_think({"thought":"x"})\nok\n' in chat
+    assert chat.endswith("assistant: two\n")
+    assert toolsrv_pids(daemon) != [server]
 
 
 def test_loaded_tools_survive_a_restart(daemon: Daemon) -> None:
@@ -370,18 +409,22 @@ def test_memory_notes_are_written_and_recalled_under_the_sandbox(daemon: Daemon)
 
 
 def toolsrv_pids(daemon: Daemon) -> list[int]:
-    out = []
+    """The daemon's toolsrv servers: each runs below its keeper, the process the daemon
+    spawned (toolsrv(8)); the keeper is left out."""
+    procs: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-        except OSError:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
         if b"toolsrv" in argv and any(str(daemon.home).encode() in a for a in argv):
-            out.append(int(d))
-    return out
+            procs[int(d)] = ppid
+    return [pid for pid, ppid in procs.items() if ppid in procs]
 
 
 def test_a_dead_toolsrv_is_respawned_on_next_use(daemon: Daemon) -> None:

@@ -25,7 +25,9 @@ def test_no_statewait_reader_misses_a_change(daemon: Daemon) -> None:
         got: list[bytes] = []
         lock = threading.Lock()
 
-        def reader() -> None:
+        def reader(
+            opened: threading.Barrier = opened, got: list[bytes] = got, lock: threading.Lock = lock
+        ) -> None:
             with open(path, "rb", buffering=0) as f:
                 opened.wait()
                 value = f.read(64)

@@ -34,9 +34,11 @@ import trio
 from ninep import codec as c
 from ninep.codec import NinePError
 from ninep.server import BaseFileSystem, ServerStats, serve_unix
+from ninep.transport import Transport
 
 TEST_MAX_MSIZE = (1 << 16) + c.IOHDRSZ
 BIG = bytes(i * 7 % 251 for i in range(200_000))
+MAX_FILE = 64 << 20  # room for test_large_frames; a fuzzed offset must not allocate more
 
 
 @dataclass(eq=False)
@@ -62,7 +64,7 @@ class MHandle:
     mode: int
 
 
-class MemFS(BaseFileSystem):
+class MemFS(BaseFileSystem[MNode, MHandle]):
     def __init__(self) -> None:
         self._paths = itertools.count(1)
         self._hids = itertools.count(1)
@@ -122,12 +124,11 @@ class MemFS(BaseFileSystem):
         self.attaches += 1
         return self.root
 
-    def detach(self, root: object) -> None:
+    def detach(self, root: MNode) -> None:
         assert root is self.root
         self.detaches += 1
 
-    async def walk(self, node: object, name: str) -> MNode:
-        assert isinstance(node, MNode)
+    async def walk(self, node: MNode, name: str) -> MNode:
         if node.children is None:
             raise NinePError(c.ENOTDIR)
         if name == "..":
@@ -138,8 +139,7 @@ class MemFS(BaseFileSystem):
             raise NinePError(c.ENOTFOUND)
         return child
 
-    def stat(self, node: object) -> c.Stat:
-        assert isinstance(node, MNode)
+    def stat(self, node: MNode) -> c.Stat:
         qtype = c.QTDIR if node.is_dir else c.QTFILE
         perm = 0o755 if node.is_dir else (0o644 if node.writable else 0o444)
         return c.Stat(
@@ -154,8 +154,7 @@ class MemFS(BaseFileSystem):
             muid="ollie",
         )
 
-    async def open(self, node: object, mode: int) -> MHandle:
-        assert isinstance(node, MNode)
+    async def open(self, node: MNode, mode: int) -> MHandle:
         if node.kind == "secret":
             raise NinePError(c.EPERM)
         if (mode & 3 in (c.OWRITE, c.ORDWR) or mode & c.OTRUNC) and not node.writable:
@@ -170,8 +169,7 @@ class MemFS(BaseFileSystem):
         self.opened += 1
         return h
 
-    async def read(self, handle: object, offset: int, count: int) -> bytes:
-        assert isinstance(handle, MHandle)
+    async def read(self, handle: MHandle, offset: int, count: int) -> bytes:
         assert handle.id in self.open_handles, "read on a clunked handle"
         node = handle.node
         if node.kind == "block":
@@ -186,10 +184,11 @@ class MemFS(BaseFileSystem):
             raise RuntimeError("boom: a bug in the file system")
         return bytes(node.data[offset : offset + count])
 
-    async def write(self, handle: object, offset: int, data: bytes) -> int:
-        assert isinstance(handle, MHandle)
+    async def write(self, handle: MHandle, offset: int, data: bytes) -> int:
         assert handle.id in self.open_handles, "write on a clunked handle"
         node = handle.node
+        if offset + len(data) > MAX_FILE:
+            raise NinePError("file too large")
         self.writes.append((offset, len(data)))
         if len(node.data) < offset:
             node.data.extend(bytes(offset - len(node.data)))
@@ -197,13 +196,11 @@ class MemFS(BaseFileSystem):
         node.version += 1
         return len(data)
 
-    async def readdir(self, node: object) -> list[c.Stat]:
-        assert isinstance(node, MNode)
+    async def readdir(self, node: MNode) -> list[c.Stat]:
         assert node.children is not None
         return [self.stat(ch) for ch in node.children.values()]
 
-    async def clunk(self, handle: object) -> None:
-        assert isinstance(handle, MHandle)
+    async def clunk(self, handle: MHandle) -> None:
         if self.open_handles.pop(handle.id, None) is None:
             self.double_clunks += 1
             return
@@ -211,8 +208,7 @@ class MemFS(BaseFileSystem):
         if handle.node.kind == "badclunk":
             raise RuntimeError("clunk bug")
 
-    async def remove(self, node: object) -> None:
-        assert isinstance(node, MNode)
+    async def remove(self, node: MNode) -> None:
         if node is self.root:
             raise NinePError(c.EPERM)
         if node.children:
@@ -222,8 +218,8 @@ class MemFS(BaseFileSystem):
             raise NinePError(c.ENOTFOUND)
         del node.parent.children[node.name]
 
-    async def create(self, node: object, name: str, perm: int, mode: int) -> tuple[MNode, MHandle]:
-        assert isinstance(node, MNode) and node.children is not None
+    async def create(self, node: MNode, name: str, perm: int, mode: int) -> tuple[MNode, MHandle]:
+        assert node.children is not None
         if name in node.children:
             raise NinePError(c.EEXIST)
         if perm & c.DMDIR:
@@ -232,8 +228,7 @@ class MemFS(BaseFileSystem):
             new = self.file(name, b"", parent=node, writable=True)
         return new, self._handle(new, mode)
 
-    async def wstat(self, node: object, stat: c.Stat) -> None:
-        assert isinstance(node, MNode)
+    async def wstat(self, node: MNode, stat: c.Stat) -> None:
         if stat.length != c.NOCHANGE.length:
             if node.is_dir:
                 raise NinePError(c.EISDIR)
@@ -293,7 +288,7 @@ class Raw:
 
     def __init__(self, stream: trio.abc.HalfCloseableStream) -> None:
         self.stream = stream
-        self.transport = c.Transport(stream)
+        self.transport = Transport(stream)
 
     async def send(self, *msgs: c.Message) -> None:
         await self.stream.send_all(b"".join(c.encode(m) for m in msgs))

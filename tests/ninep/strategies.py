@@ -6,6 +6,8 @@ ctypes binding) accepts: offsets and lengths are signed 64-bit there, u64 on the
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -13,6 +15,16 @@ from ninep import codec as c
 
 # Other suites run in parallel on the same machine: a slow example is load, not a bug.
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Fuzzers of a live server: a moderate number of examples in CI (a few seconds), and
+# ``OLLIE_FUZZ_EXAMPLES=20000`` for a long run by hand. The count is read when the suite
+# is collected, so it is one setting for every fuzzer that uses FUZZ.
+FUZZ_EXAMPLES = int(os.environ.get("OLLIE_FUZZ_EXAMPLES", "200"))
+FUZZ = settings(
+    PROPERTY,
+    max_examples=FUZZ_EXAMPLES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 u8 = st.integers(0, 0xFF)
 u16 = st.integers(0, 0xFFFF)

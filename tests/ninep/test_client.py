@@ -12,6 +12,7 @@ import trio.testing
 from ninep import Client, ConnectionLost, NinePError
 from ninep import codec as c
 from ninep.client import FLUSH_TIMEOUT, split_path
+from ninep.transport import Transport
 from tests.ninep.conftest import settle
 
 
@@ -20,7 +21,7 @@ class Peer:
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.transport = c.Transport(stream)
+        self.transport = Transport(stream)
 
     async def recv(self) -> c.Message:
         frame = await self.transport.next_frame(1 << 20)

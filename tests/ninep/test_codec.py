@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -309,3 +311,17 @@ def test_message_structs_are_frozen_and_hashable() -> None:
     with pytest.raises(AttributeError):
         m.fid = 5  # type: ignore[misc]
     assert hash(m) == hash(c.Twalk(1, 2, 3, ("a",)))
+
+
+def test_the_codec_does_not_load_trio() -> None:
+    """The wire format is pure: a program that only parses 9P never loads an event loop
+    (the I/O lives in ninep.transport). A fresh interpreter, so nothing is preloaded."""
+    probe = (
+        "import sys, ninep.codec, ninep.codec as c; "
+        "c.decode(c.encode(c.Tclunk(1, 2))); "
+        "print(sorted(m for m in sys.modules if m == 'trio' or m.startswith(('trio.', 'ninep'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "['ninep', 'ninep.codec']"

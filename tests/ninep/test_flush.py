@@ -106,7 +106,7 @@ async def test_flushed_walk_does_not_leave_its_fid() -> None:
             self.walking = trio.Event()
             self.release = trio.Event()
 
-        async def walk(self, node: object, name: str) -> MNode:
+        async def walk(self, node: MNode, name: str) -> MNode:
             if name == "slow":
                 self.walking.set()
                 with trio.CancelScope(shield=True):

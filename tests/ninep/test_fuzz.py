@@ -1,4 +1,7 @@
-"""Hostile peers: protocol violations and garbage close that connection and nothing else."""
+"""Hostile peers: protocol violations and garbage close that connection and nothing else.
+
+Whole hostile sessions, checked step by step against a model, are in test_fuzz_sessions.
+"""
 
 from __future__ import annotations
 

@@ -12,32 +12,29 @@ import trio.testing
 
 from ninep import codec as c
 from ninep.codec import NinePError
-from ninep.server import ServerStats, serve_connection
+from ninep.server import BaseFileSystem, ServerStats, serve_connection
 from tests.ninep.conftest import MemFS, MHandle, MNode, Raw, Served, raw_connection, settle
 
 
 class WeirdFS(MemFS):
     """A file system with bugs and odd answers, one per file name."""
 
-    def stat(self, node: object) -> c.Stat:
+    def stat(self, node: MNode) -> c.Stat:
         st = super().stat(node)
-        assert isinstance(node, MNode)
         if node.name == "badstat":
             return c.Stat(qid=st.qid, mtime=-1, name="badstat")
         if node.name == "hugestat":
             return c.Stat(qid=st.qid, name="h" * 5000)
         return st
 
-    async def read(self, handle: object, offset: int, count: int) -> bytes:
-        assert isinstance(handle, MHandle)
+    async def read(self, handle: MHandle, offset: int, count: int) -> bytes:
         if handle.node.name == "longerr":
             raise NinePError("é" * 40000 + "\x00 tail")
         if handle.node.name == "toomuch":
             return b"x" * (count + 10)
         return await super().read(handle, offset, count)
 
-    async def write(self, handle: object, offset: int, data: bytes) -> int:
-        assert isinstance(handle, MHandle)
+    async def write(self, handle: MHandle, offset: int, data: bytes) -> int:
         if handle.node.name == "liar":
             return len(data) + 1
         return await super().write(handle, offset, data)
@@ -130,3 +127,60 @@ async def test_create_rules() -> None:
         assert await r.rpc(c.Twstat(3, 99, c.NOCHANGE)) == c.Rerror(3, c.EUNKNOWNFID)
         assert await r.rpc(c.Tremove(3, 99)) == c.Rerror(3, c.EUNKNOWNFID)
         assert await r.rpc(c.Tclunk(3, 99)) == c.Rerror(3, c.EUNKNOWNFID)
+
+
+class NoneHandles(BaseFileSystem[str, None]):
+    """Nodes are path strings and every handle is ``None``: the server must not take a
+    handle for "no handle". ``/`` is a directory whose listing fails after it was opened,
+    ``f`` a file."""
+
+    def __init__(self) -> None:
+        self.opens = 0
+        self.clunks = 0
+
+    async def attach(self, uname: str, aname: str) -> str:
+        return "/"
+
+    async def walk(self, node: str, name: str) -> str:
+        if node != "/" or name != "f":
+            raise NinePError(c.ENOTFOUND)
+        return "f"
+
+    def stat(self, node: str) -> c.Stat:
+        qtype = c.QTDIR if node == "/" else c.QTFILE
+        return c.Stat(qid=c.Qid(qtype, 0, len(node)), name=node)
+
+    async def open(self, node: str, mode: int) -> None:
+        self.opens += 1
+
+    async def read(self, handle: None, offset: int, count: int) -> bytes:
+        return b"data"[offset : offset + count]
+
+    async def readdir(self, node: str) -> list[c.Stat]:
+        raise NinePError("listing failed")
+
+    async def clunk(self, handle: None) -> None:
+        self.clunks += 1
+
+
+async def test_a_handle_may_be_none() -> None:
+    fs = NoneHandles()
+    stats = ServerStats()
+    a, b = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as n:
+        n.start_soon(functools.partial(serve_connection, b, fs, stats=stats))
+        r = Raw(a)
+        await r.version()
+        await r.attach(0)
+        # A file: opened, read through its None handle, clunked once.
+        await r.walk_open(0, 1, ("f",), c.OREAD)
+        assert await r.rpc(c.Tread(4, 1, 0, 10)) == c.Rread(4, b"data")
+        assert await r.rpc(c.Tclunk(5, 1)) == c.Rclunk(5)
+        assert (fs.opens, fs.clunks, stats.handles) == (1, 1, 0)
+        # The directory's open fails after the app gave its (None) handle: that handle
+        # is clunked all the same, and the fid is fresh again.
+        assert await r.rpc(c.Topen(6, 0, c.OREAD)) == c.Rerror(6, "listing failed")
+        assert (fs.opens, fs.clunks, stats.handles) == (2, 2, 0)
+        assert isinstance(await r.rpc(c.Twalk(7, 0, 2, ("f",))), c.Rwalk)
+        n.cancel_scope.cancel()
+    assert stats.handles == 0 and fs.clunks == fs.opens

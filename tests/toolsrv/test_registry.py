@@ -583,7 +583,7 @@ EXPECTED = {
     "reasoning_think": ("hot", True, "default"),
     "memory_remember": ("hot", False, "memory"),
     "memory_recall": ("cold", True, "default"),
-    "subagent_spawn": ("hot", False, "default"),
+    "subagent_spawn": ("hot", False, "ollie"),
 }
 
 

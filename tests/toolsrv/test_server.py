@@ -100,7 +100,7 @@ async def test_call_errors_come_back_as_results(srv: ToolsrvProc, tmp_path: Path
     work.mkdir()
     async with srv.agent("a1", "subagent_spawn", "file_read") as conn:
         res = await conn.call("subagent_spawn", {"name": "x", "prompt": "y"}, str(work), {})
-        assert res.isError and "not yet" in res.text
+        assert res.isError and "the ollie tree is not mounted here" in res.text
         res = await conn.call("file_read", {"path": "missing.txt"}, str(work), tool_env(work))
         assert res.isError and "missing.txt" in res.text
 

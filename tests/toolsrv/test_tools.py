@@ -437,12 +437,13 @@ def test_reasoning_think(run: Run) -> None:
     assert "thought must be a string" in fails(run("reasoning_think", {}), "reasoning_think")
 
 
-def test_subagent_spawn_is_not_available(run: Run) -> None:
+def test_subagent_spawn_needs_the_tree(run: Run, env: dict[str, str]) -> None:
+    """Where $OLLIE is no olliefs tree it says what failed, one line (the e2e tests drive
+    the real thing)."""
     r = run("subagent_spawn", {"name": "child", "prompt": "do it"})
     assert (r.rc, r.out) == (1, "")
-    assert r.err == (
-        "subagent_spawn: not yet available: this olliefs version has no subagent sessions\n"
-    )
+    new = os.path.join(env["OLLIE"], "s", "new")
+    assert r.err == f"subagent_spawn: {new}: No such file or directory\n"
 
 
 # ---- memory ------------------------------------------------------------------------------

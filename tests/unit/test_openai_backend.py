@@ -316,7 +316,7 @@ async def test_stream_without_done_is_a_drop_after_its_content() -> None:
 
 @pytest.mark.parametrize("line", ["data: {not json", "data: [1, 2]", 'data: {"choices": "x"}'])
 async def test_garbage_is_a_bad_response(line: str) -> None:
-    with pytest.raises(BadResponseError, match="bad stream chunk"):
+    with pytest.raises(BadResponseError, match="openai: bad stream payload"):
         await events_of(reply(sse(delta(content="a")).replace(b"data: [DONE]", line.encode())))
 
 
@@ -337,7 +337,7 @@ async def test_garbage_is_a_bad_response(line: str) -> None:
 )
 async def test_error_object_in_stream(error: dict[str, Any], expected: type[BackendError]) -> None:
     body = sse(delta(content="a"), {"id": "x", "object": "chat.completion.chunk", "error": error})
-    with pytest.raises(expected, match=r"^stream error") as caught:
+    with pytest.raises(expected, match=r"^openai: stream error") as caught:
         await events_of(reply(body))
     assert type(caught.value) is expected
     assert error["message"] in str(caught.value)
@@ -404,7 +404,7 @@ async def test_429(headers: dict[str, str], seconds: float | None) -> None:
     error = await enter_fails(reply(body, 429, headers), RateLimitError)
     assert isinstance(error, RateLimitError)
     assert error.retry_after == seconds
-    assert str(error) == "HTTP 429: Rate limit reached"
+    assert str(error) == "openai: HTTP 429: Rate limit reached"
 
 
 @pytest.mark.parametrize("status", [500, 503])
@@ -426,7 +426,7 @@ async def test_401_message_never_shows_the_key() -> None:
     body = f'{{"error": {{"message": "Incorrect API key provided: {KEY}."}}}}'.encode()
     error = await enter_fails(reply(body, 401), BadResponseError)
     assert KEY not in str(error)
-    assert str(error).startswith("HTTP 401: Incorrect API key provided")
+    assert str(error).startswith("openai: HTTP 401: Incorrect API key provided")
 
 
 # --- requests ------------------------------------------------------------------------------
@@ -577,7 +577,7 @@ async def test_bad_model_list() -> None:
 
 
 async def test_pool_builds_openai_from_settings() -> None:
-    assert backend_names() == ["openai"]
+    assert backend_names() == ["openai", "anthropic", "ollama", "gemini", "copilot", "kiro"]
     backend = make_backend(
         "openai",
         {

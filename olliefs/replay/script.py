@@ -1,0 +1,227 @@
+"""The script: what the replay server answers, one entry per model request, in order.
+
+A script is a text file of JSON lines, consumed in order by every chat request whatever
+its wire format (OpenAI, Anthropic, Ollama, Gemini, Copilot and Kiro requests all take
+the next entry). Blank lines and lines starting with ``#`` are ignored. Every field is
+optional::
+
+    # a plain reply, streamed 4 characters per delta
+    {"reply": "Hello there."}
+    # thinking first, then a tool call; the next request gets the following line
+    {"reasoning": "Let me look.", "tool_calls": [{"name": "ls", "arguments": {"path": "."}}]}
+    {"status": 429, "retry_after": 2}
+    {"reply": "slow and cut off", "chunk": 1, "delay": 0.05, "drop_after": 5}
+
+Fields (each wire format renders them in its own shape, see ``wire/``):
+
+``reply``
+    The assistant text.
+``reasoning``
+    Thinking text, streamed before the reply (OpenAI: ``delta.reasoning_content``;
+    Anthropic: a thinking block with a signature; Gemini: ``thought`` parts; Ollama:
+    ``message.thinking``; Kiro has none and leaves it out).
+``reasoning_field``
+    OpenAI wire only: ``"reasoning_content"`` (default) or ``"reasoning"``.
+``signature``
+    Anthropic: the thinking block's signature (default ``sig-<n>``); Gemini: the
+    ``thoughtSignature`` put on the first function call (default: none).
+``tool_calls``
+    ``[{"id": str, "name": str, "arguments": object or str}]``; ``id`` defaults to a
+    wire-specific ``<prefix>_<n>_<i>`` (Gemini and Ollama send none unless given),
+    ``arguments`` to ``{}``. Streamed after the reply; where the wire streams arguments in
+    fragments (OpenAI, Anthropic, Kiro) they come ``chunk`` characters at a time.
+``late_ids``
+    OpenAI wire: each call's argument fragments come first, without id or name; a later
+    delta carries them.
+``chunk``
+    Characters per delta, default 4 (at least 1).
+``delay``
+    Seconds between deltas, default 0.
+``first_delay``
+    Seconds before the response headers are sent.
+``usage``
+    ``{"prompt_tokens", "completion_tokens", "cached_tokens", "cache_creation_tokens",
+    "cost"}``, each optional. Defaults: prompt tokens = characters of the request's
+    message texts / 4, completion tokens = characters of reply and reasoning / 4, both at
+    least 1. The prompt count includes the cached and cache-creation ones (ollie's
+    convention); the Anthropic wire reports them apart, as Anthropic does. ``cost`` is
+    sent (as OpenRouter does) only on the OpenAI wire. The OpenAI wire sends usage only
+    when the request asked for ``stream_options.include_usage``; Kiro never does.
+``finish_reason``
+    Overrides the finish/stop reason, in the wire's own vocabulary (``"length"``,
+    ``"max_tokens"``, ``"MAX_TOKENS"`` ...).
+``status``
+    An HTTP status other than 200 answers with the wire's error body instead.
+``error``, ``error_type``, ``error_code``
+    The error's message (default: the status phrase) and, where the wire has them, its
+    type and code (OpenAI ``type``/``code``; Anthropic ``error.type``; Gemini
+    ``error.status``; Kiro the exception name), e.g. ``"error_code":
+    "context_length_exceeded"``. Defaults follow each provider's own choice for the status.
+``in_stream``
+    With ``status``: answer 200, stream the deltas (up to ``drop_after``), then report the
+    error inside the stream the way the wire does (OpenAI/OpenRouter an ``error`` chunk,
+    Anthropic an ``error`` event, Gemini an ``error`` object, Ollama an ``error`` line, Kiro
+    an exception frame), and end the body without the wire's terminator.
+``body``
+    A raw response body sent (as ``application/json``) instead of the error body or the
+    completion, with ``status``.
+``raw``
+    Recorded response bytes (base64 in a script file), sent verbatim as the body with
+    ``status`` and the wire's stream content type (or ``content_type``), in HTTP chunks of
+    ``raw_chunk`` bytes (default: one chunk). With ``drop_after`` the connection is closed
+    after that many bytes of it, without the terminating HTTP chunk.
+``content_type``
+    The content type of a ``raw`` body.
+``retry_after``, ``retry_after_ms``
+    Values of the ``Retry-After`` and ``retry-after-ms`` response headers (an HTTP date is
+    fine too).
+``retry_delay``
+    Gemini: a ``RetryInfo`` detail with this ``retryDelay`` (``"7s"``) in the error body.
+``drop_after``
+    Send that many deltas, then close the TCP connection without the wire's terminator
+    and without the terminating HTTP chunk (a dropped stream). A non-streamed request is
+    dropped unanswered.
+``hang``, ``hang_after``
+    Send the headers and ``hang_after`` deltas (default 0), then nothing more until the
+    client goes away or the server stops (a stalled provider).
+``garbage``
+    A raw string sent as one payload (an SSE ``data:`` event, an NDJSON line, an event
+    stream frame) in place of the whole reply, followed by the wire's terminator.
+``keepalive``
+    Send a keep-alive between deltas where the wire has one (an SSE comment; Anthropic's
+    ``ping`` event).
+``no_final_newline``
+    End the last event without its trailing blank line (or newline).
+
+When the script runs out the server is in echo mode: it replies ``echo: <text of the last
+user message>``, so it is useful with no script at all. With ``then="error"`` it answers
+500 ``replay script exhausted`` instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class EntryToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One scripted tool call; an object ``arguments`` is sent JSON-encoded."""
+
+    name: str
+    arguments: dict[str, Any] | str = {}
+    id: str | None = None
+
+    def arguments_text(self) -> str:
+        args = self.arguments
+        return args if isinstance(args, str) else msgspec.json.encode(args).decode()
+
+
+class EntryUsage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Token counts to report; ``None`` fields get the character-based defaults."""
+
+    prompt_tokens: Count | None = None
+    completion_tokens: Count | None = None
+    cached_tokens: Count | None = None
+    cache_creation_tokens: Count | None = None
+    cost: float | None = None
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One scripted answer; the module docstring documents every field."""
+
+    reply: str = ""
+    reasoning: str = ""
+    reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
+    signature: str | None = None
+    tool_calls: tuple[EntryToolCall, ...] = ()
+    late_ids: bool = False
+    chunk: Annotated[int, msgspec.Meta(ge=1)] = 4
+    delay: NonNegative = 0.0
+    first_delay: NonNegative = 0.0
+    usage: EntryUsage | None = None
+    finish_reason: str | None = None
+    status: Annotated[int, msgspec.Meta(ge=200, le=599)] = 200
+    error: str | None = None
+    error_type: str | None = None
+    error_code: str | None = None
+    in_stream: bool = False
+    body: str | None = None
+    raw: bytes | None = None
+    raw_chunk: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    content_type: str | None = None
+    retry_after: str | float | None = None
+    retry_after_ms: str | float | None = None
+    retry_delay: str | None = None
+    drop_after: Count | None = None
+    hang: bool = False
+    hang_after: Count = 0
+    garbage: str | None = None
+    keepalive: bool = False
+    no_final_newline: bool = False
+
+
+def parse_script(text: str) -> list[Entry]:
+    """Parse a JSON-lines script; errors name the 1-based line so users can fix the file."""
+    entries = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            entries.append(msgspec.json.decode(line, type=Entry))
+        except msgspec.MsgspecError as e:
+            raise ValueError(f"line {lineno}: {e}") from None
+    return entries
+
+
+class Recorded(msgspec.Struct, frozen=True):
+    """One model request as the server received it (header names in lower case)."""
+
+    wire: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+class Script:
+    """The entries still to play, the requests seen so far, and the fallback answer.
+
+    Shared by the server's connection threads, hence the lock.
+    """
+
+    def __init__(self, entries: Sequence[Entry] = (), then: str = "echo") -> None:
+        if then not in ("echo", "error"):
+            raise ValueError(f"then must be 'echo' or 'error', not {then!r}")
+        self.then = then
+        self._entries: deque[Entry] = deque(entries)
+        self._recorded: list[Recorded] = []
+        self._counter = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def add(self, entries: Iterable[Entry]) -> None:
+        with self._lock:
+            self._entries.extend(entries)
+
+    @property
+    def recorded(self) -> list[Recorded]:
+        with self._lock:
+            return list(self._recorded)
+
+    def take(self, recorded: Recorded, user_text: str) -> tuple[int, Entry]:
+        """Record a request and pick its answer: the next entry, or the fallback."""
+        with self._lock:
+            self._recorded.append(recorded)
+            n = next(self._counter)
+            if self._entries:
+                return n, self._entries.popleft()
+        if self.then == "error":
+            return n, Entry(status=500, error="replay script exhausted")
+        return n, Entry(reply=f"echo: {user_text}")

@@ -1,0 +1,163 @@
+"""OpenAI chat completions, byte for byte as api.openai.com streams them.
+
+``data: {chat.completion.chunk}`` events separated by blank lines: the first delta also
+carries ``"role": "assistant"``; tool calls open with ``index``, ``id``, ``type`` and
+``function.name`` and empty arguments, then the arguments follow in fragments; a chunk
+with ``finish_reason``; the usage chunk (``"choices": []``) only when the request asked
+for ``stream_options.include_usage``; ``data: [DONE]``. Errors are
+``{"error": {"message", "type", "param", "code"}}``; an error inside a stream is sent the
+way OpenRouter does, as a chunk holding ``error`` with a numeric ``code``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from olliefs.replay.script import Entry
+from olliefs.replay.wire import Answer, Frame, Plan, Wire, dumps, error_message, text_of
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    msgs = body.get("messages")
+    return [m for m in msgs if isinstance(m, dict)] if isinstance(msgs, list) else []
+
+
+def event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+class OpenAIWire(Wire):
+    name = "openai"
+    id_prefix = "call"
+
+    def user_text(self, body: dict[str, Any]) -> str:
+        users = [m for m in _messages(body) if m.get("role") == "user"]
+        return text_of(users[-1].get("content")) if users else ""
+
+    def prompt_chars(self, body: dict[str, Any]) -> int:
+        return sum(len(text_of(m.get("content"))) for m in _messages(body))
+
+    def _calls(self, answer: Answer) -> list[tuple[str, str, str]]:
+        return [
+            (answer.call_id(i, "call"), call.name, call.arguments)
+            for i, call in enumerate(answer.calls)
+        ]
+
+    def _finish_reason(self, answer: Answer) -> str:
+        return answer.entry.finish_reason or ("tool_calls" if answer.calls else "stop")
+
+    def _usage(self, answer: Answer) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": answer.prompt_tokens,
+            "completion_tokens": answer.completion_tokens,
+            "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+        }
+        if answer.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": answer.cached_tokens}
+        if answer.cost is not None:
+            usage["cost"] = answer.cost
+        return usage
+
+    def _chunk(self, answer: Answer, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return event(
+            dumps(
+                {
+                    "id": f"chatcmpl-{answer.n}",
+                    "object": "chat.completion.chunk",
+                    "created": int(time.time()),
+                    "model": answer.model,
+                    "choices": choices,
+                    **extra,
+                }
+            )
+        )
+
+    def deltas(self, answer: Answer) -> list[tuple[dict[str, Any], str]]:
+        """Every counted delta, paired with its content text."""
+        e = answer.entry
+        out: list[tuple[dict[str, Any], str]] = [
+            ({e.reasoning_field: p}, "") for p in answer.pieces(e.reasoning)
+        ]
+        out += [({"content": p}, p) for p in answer.pieces(e.reply)]
+        for index, (call_id, name, arguments) in enumerate(self._calls(answer)):
+            function = {"name": name, "arguments": ""}
+            head = {"index": index, "id": call_id, "type": "function", "function": function}
+            frags = [
+                {"index": index, "function": {"arguments": p}} for p in answer.pieces(arguments)
+            ]
+            for call in [*frags, head] if e.late_ids else [head, *frags]:
+                out.append(({"tool_calls": [call]}, ""))
+        delta, content = out[0] if out else ({"content": ""}, "")
+        out[:1] = [({"role": "assistant", **delta}, content)]
+        return out
+
+    def stream(self, answer: Answer, body: dict[str, Any]) -> Plan:
+        frames = [
+            Frame(
+                self._chunk(answer, [{"index": 0, "delta": delta, "finish_reason": None}]),
+                text,
+                counted=True,
+            )
+            for delta, text in self.deltas(answer)
+        ]
+        finish = {"index": 0, "delta": {}, "finish_reason": self._finish_reason(answer)}
+        tail = [Frame(self._chunk(answer, [finish]))]
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            tail.append(Frame(self._chunk(answer, [], usage=self._usage(answer))))
+        tail.append(Frame(event(b"[DONE]")))
+        return Plan(frames, tail)
+
+    def complete(self, answer: Answer, body: dict[str, Any]) -> bytes | None:
+        e = answer.entry
+        message: dict[str, Any] = {"role": "assistant", "content": e.reply or None}
+        if e.reasoning:
+            message[e.reasoning_field] = e.reasoning
+        if answer.calls:
+            message["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": name, "arguments": args}}
+                for i, name, args in self._calls(answer)
+            ]
+        choice = {"index": 0, "message": message, "finish_reason": self._finish_reason(answer)}
+        return dumps(
+            {
+                "id": f"chatcmpl-{answer.n}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": answer.model,
+                "choices": [choice],
+                "usage": self._usage(answer),
+            }
+        )
+
+    def error_body(self, status: int, entry: Entry) -> tuple[bytes, list[tuple[str, str]]]:
+        type_ = entry.error_type
+        if type_ is None:
+            type_ = (
+                "requests"
+                if status == 429
+                else "server_error"
+                if status >= 500
+                else "invalid_request_error"
+            )
+        code = entry.error_code
+        if code is None:
+            code = {429: "rate_limit_exceeded", 401: "invalid_api_key"}.get(status)
+        error = {
+            "message": error_message(status, entry),
+            "type": type_,
+            "param": None,
+            "code": code,
+        }
+        return dumps({"error": error}), []
+
+    def stream_error(self, status: int, entry: Entry) -> bytes:
+        error = {"code": status, "message": error_message(status, entry)}
+        return event(dumps({"error": error}))
+
+    def garbage(self, text: str) -> bytes:
+        return event(text.encode())
+
+    def keepalive(self) -> bytes | None:
+        return b": keep-alive\n\n"

@@ -1,0 +1,42 @@
+"""Helpers for tests that run real shell commands: process liveness from /proc."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+
+def alive(pid: int) -> bool:
+    """A live process (a zombie is dead: it only waits for its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+async def wait_for(cond: object, what: str, limit: float = 30.0) -> None:
+    """Wait until ``cond()`` holds, checking a real state; fail after a generous limit."""
+    assert callable(cond)
+    with trio.move_on_after(limit):
+        while not cond():
+            await trio.sleep(0.005)
+        return
+    raise AssertionError(f"never happened: {what}")
+
+
+def read_pid(path: Path) -> int:
+    return int(path.read_text().split()[0])
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """The process has SIGTERM (15) ignored, as /proc/<pid>/status says."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << 14))
+    return False

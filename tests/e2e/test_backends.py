@@ -1,0 +1,188 @@
+"""Every backend end to end: a real mount, a real daemon, the replay server in each wire.
+
+One replay server speaks all six wire formats; the daemon gets the ``OLLIE_<NAME>_URL``
+settings that point each backend at it. For each backend a session created with
+``backend=<name>`` runs a turn with thinking and a tool call (``file_read``, run for real
+by toolsrv), then a reply: the chat, the usage counters, and the second request, which must
+carry the tool result (and the provider's opaque state) back in that provider's own shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from olliefs.replay import Entry, EntryToolCall, EntryUsage, Recorded, ReplayServer
+from olliefs.testing import HAVE_FUSE, Daemon
+
+pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse (mounts for real)")
+
+KEY = "sk-e2e-backends-0123456789"
+NAMES = ["openai", "anthropic", "ollama", "gemini", "copilot", "kiro"]
+# Kiro's stream has no thinking and no token counts (ollie-replay(1))
+THINKS = {"openai", "anthropic", "ollama", "gemini", "copilot"}
+CACHED = {"openai": 40, "copilot": 40, "anthropic": 40, "gemini": 40, "ollama": 0}
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Iterator[tuple[ReplayServer, Daemon]]:
+    with ReplayServer(key=KEY) as server:
+        daemon = Daemon(tmp_path, server, {**server.settings(), "OLLIE_RETRY_BASE": "0.01"})
+        with daemon.running():
+            yield server, daemon
+
+
+def turn_script(call_id: str) -> list[Entry]:
+    return [
+        Entry(
+            reasoning="Read the notes first.",
+            signature="c2lnbmVkLXRoaW5raW5n",
+            reply="Reading.",
+            tool_calls=(
+                EntryToolCall(name="file_read", arguments={"path": "notes.txt"}, id=call_id),
+            ),
+            usage=EntryUsage(prompt_tokens=100, completion_tokens=10, cached_tokens=40),
+        ),
+        Entry(
+            reply="The notes say alpha.",
+            usage=EntryUsage(prompt_tokens=130, completion_tokens=5),
+        ),
+    ]
+
+
+def tool_result_of(name: str, request: Recorded) -> tuple[str, str]:
+    """(call id, result text) of the tool result in the second request, as ``name``'s
+    wire format carries it back."""
+    body: dict[str, Any] = request.body
+    if name in ("openai", "copilot"):
+        [msg] = [m for m in body["messages"] if m["role"] == "tool"]
+        return msg["tool_call_id"], msg["content"]
+    if name == "anthropic":
+        blocks = [b for m in body["messages"] for b in m["content"] if isinstance(b, dict)]
+        [result] = [b for b in blocks if b["type"] == "tool_result"]
+        return result["tool_use_id"], result["content"]
+    if name == "ollama":
+        [msg] = [m for m in body["messages"] if m["role"] == "tool"]
+        assert msg["tool_name"] == "file_read"
+        return "", msg["content"]
+    if name == "gemini":
+        parts = [p for c in body["contents"] for p in c["parts"]]
+        [response] = [p["functionResponse"] for p in parts if "functionResponse" in p]
+        assert response["name"] == "file_read"
+        return response["id"], response["response"]["output"]
+    assert name == "kiro"
+    user = body["conversationState"]["currentMessage"]["userInputMessage"]
+    [result] = user["userInputMessageContext"]["toolResults"]
+    return result["toolUseId"], result["content"][0]["text"]
+
+
+def assert_opaque_state_went_back(name: str, request: Recorded) -> None:
+    """The provider's state of the first reply came back with it in the next request."""
+    body: dict[str, Any] = request.body
+    if name == "anthropic":
+        assistant = next(m for m in body["messages"] if m["role"] == "assistant")
+        thinking = assistant["content"][0]
+        assert thinking == {
+            "type": "thinking",
+            "thinking": "Read the notes first.",
+            "signature": "c2lnbmVkLXRoaW5raW5n",
+        }
+        assert [b["type"] for b in assistant["content"]] == ["thinking", "text", "tool_use"]
+    elif name == "gemini":
+        model = next(c for c in body["contents"] if c["role"] == "model")
+        [call] = [p for p in model["parts"] if "functionCall" in p]
+        assert call["thoughtSignature"] == "c2lnbmVkLXRoaW5raW5n"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_turn_with_a_tool_call(keyed: tuple[ReplayServer, Daemon], name: str) -> None:
+    server, daemon = keyed
+    (daemon.work / "notes.txt").write_text("alpha\n")
+    call_id = f"call-{name}-1"
+    server.add(turn_script(call_id))
+    sid = daemon.new(name=name, backend=name, model="replay")
+    assert f"backend={name}\n" in daemon.read(f"s/{sid}/cfg")
+    daemon.write(f"s/{sid}/ctl", "tool_load file_read")
+    daemon.prompt(sid, "what do the notes say?")
+    daemon.wait_idle(sid)
+
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "assistant: Reading." in chat
+    assert '-> file_read({"path":"notes.txt"})\n' in chat
+    assert chat.endswith("assistant: The notes say alpha.\n")
+    assert ("<think>\nRead the notes first." in chat) == (name in THINKS)
+
+    first, second = server.recorded
+    assert first.wire == second.wire == ("openai" if name == "copilot" else name)
+    result_id, text = tool_result_of(name, second)
+    assert "alpha" in text
+    if name != "ollama":  # Ollama has no call ids; the result goes by tool name
+        assert result_id == call_id
+    assert_opaque_state_went_back(name, second)
+
+    usage = daemon.read(f"s/{sid}/usage")
+    if name == "kiro":
+        assert usage.endswith(" [estimated]\n") and ", 2 requests, 0 cached" in usage
+    else:
+        assert usage == f"230 in, 15 out, 2 requests, {CACHED[name]} cached\n"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_error_line_names_the_provider_and_status_never_the_key(
+    keyed: tuple[ReplayServer, Daemon], name: str
+) -> None:
+    server, daemon = keyed
+    server.add([Entry(status=400, error=f"no such thing (key {KEY})")])
+    sid = daemon.new(name=f"err-{name}", backend=name, model="replay")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    last = daemon.read(f"s/{sid}/chat").splitlines()[-1]
+    assert last == f"error: {name}: HTTP 400: no such thing (key ***)"
+    for f in ("chat", "context", "cfg", "env", "usage", "systemprompt"):
+        assert KEY not in daemon.read(f"s/{sid}/{f}"), f
+    assert KEY not in daemon.snapshot(f"s/{sid}/events")
+    assert KEY not in daemon.stderr()
+
+
+def test_thinking_blocks_survive_a_restart(tmp_path: Path) -> None:
+    """Anthropic's signed thinking goes back with its tool call even after the daemon
+    restarted: the journal keeps the provider's opaque state verbatim."""
+    with ReplayServer(key=KEY) as server:
+        daemon = Daemon(tmp_path, server, server.settings())
+        (daemon.work / "notes.txt").write_text("alpha\n")
+        server.add(turn_script("toolu_keep"))
+        with daemon.running():
+            sid = daemon.new(name="keep", backend="anthropic", model="replay")
+            daemon.write(f"s/{sid}/ctl", "tool_load file_read")
+            daemon.prompt(sid, "read")
+            daemon.wait_idle(sid)
+            context = [json.loads(x) for x in daemon.read(f"s/{sid}/context").splitlines()]
+            assert any("anthropic" in m.get("provider_data", {}) for m in context)
+        server.add([Entry(reply="still here")])
+        with daemon.running():
+            daemon.prompt("keep", "again")
+            daemon.wait_idle("keep")
+        assert_opaque_state_went_back("anthropic", server.recorded[-1])
+
+
+def test_no_key_reaches_a_tool(keyed: tuple[ReplayServer, Daemon]) -> None:
+    """Every backend's key is set; a tool that prints its whole environment shows none."""
+    server, daemon = keyed
+    code = {"code": "env; cat /proc/self/environ | tr '\\\\0' '\\\\n'", "language": "bash"}
+    server.add(
+        [
+            Entry(tool_calls=(EntryToolCall(name="execute_code", arguments=code, id="e1"),)),
+            Entry(reply="done"),
+        ]
+    )
+    sid = daemon.new(name="env", backend="anthropic", model="replay")
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
+    daemon.prompt(sid, "show env")
+    daemon.wait_idle(sid)
+    _, output = tool_result_of("anthropic", server.recorded[-1])
+    assert "OLLIE_SESSION_ID=" in output  # the tool did print its environment
+    assert KEY not in output and "_KEY=" not in output

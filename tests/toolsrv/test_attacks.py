@@ -1,0 +1,454 @@
+"""The sandbox attacked as a hostile tool would, through a real toolsrv over its socket.
+
+Each attack is a shell or Python program run as a tool call (olliefs toolclient -> 9P ->
+toolsrv -> a sandboxed process), and each test has a positive control: the same kind of
+operation, aimed where it is allowed, succeeds, so a test cannot pass because the tool
+never ran. What is checked is the state outside (the victim file, the host socket, the
+process), not only what the tool printed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import signal
+import socket
+import stat
+import subprocess
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from olliefs.toolclient.client import ToolsrvConn
+from tests.toolsrv.harness import ToolsrvProc, running_toolsrv, tool_env
+from toolsrv import namespaces
+from toolsrv.sandbox import landlock_abi
+
+ABI = landlock_abi()
+ROOT = os.geteuid() == 0
+pytestmark = pytest.mark.skipif(ABI == 0, reason="the kernel has no Landlock")
+needs_ns = pytest.mark.skipif(
+    not namespaces.mount_namespaces(), reason="mount namespaces need root (CAP_SYS_ADMIN)"
+)
+needs_scopes = pytest.mark.skipif(ABI < 6, reason="Landlock scopes need ABI 6 (Linux 6.12)")
+
+SH_TOOL = """#!/bin/bash
+# ollie-tool
+# description: test shell ({sandbox})
+# args: {{"type": "object", "properties": {{"code": {{"type": "string"}}}}}}
+# timeout: 30
+# sandbox: {sandbox}
+code=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["code"])')
+exec bash -c "$code"
+"""
+
+
+class Box:
+    def __init__(self, srv: ToolsrvProc, conn: ToolsrvConn, work: Path, outside: Path) -> None:
+        self.srv, self.conn, self.work, self.outside = srv, conn, work, outside
+
+    async def sh(self, code: str, tool: str = "sh") -> str:
+        res = await self.conn.call(tool, {"code": code}, str(self.work), tool_env(self.work))
+        return ("ERROR " if res.isError else "") + res.text
+
+    async def py(self, code: str, *args: str, tool: str = "sh") -> dict[str, str]:
+        """Run Python in the tool; it prints ``<what> <result>`` lines; a dict of them."""
+        argv = shlex.join(["python3", "-c", textwrap.dedent(code), *args])
+        out = await self.sh(argv, tool)
+        assert not out.startswith("ERROR"), out
+        return dict(line.rsplit(" ", 1) for line in out.splitlines() if " " in line)
+
+
+# Prints "<label> ok" or "<label> <ERRNO>" for each attempt.
+TRY = """
+import errno, os, socket, sys
+def attempt(label, fn):
+    try:
+        fn()
+        print(label, "ok")
+    except OSError as e:
+        print(label, errno.errorcode.get(e.errno, e.errno))
+"""
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> tuple[Path, Path]:
+    work = tmp_path / "work"
+    for d in ("sub/.git/hooks", ".git/hooks", "a/b", ".ollie", "d"):
+        (work / d).mkdir(parents=True)
+    (work / "sub" / ".git" / "config").write_text("[core]\n")
+    (work / "a" / "b" / ".git").write_text("gitdir: ../../.git\n")  # a worktree's .git file
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    return work, outside
+
+
+@pytest.fixture
+async def box(tmp_path: Path, tree: tuple[Path, Path]) -> AsyncIterator[Box]:
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name, profile in (("sh", "default"), ("sh_net", "network")):
+        (tools / name).write_text(SH_TOOL.format(sandbox=profile))
+        (tools / name).chmod(0o755)
+    run = tmp_path / "run"  # stands for the daemon's run dir, as olliefs passes it
+    run.mkdir()
+    extra = ("--hide", str(run))
+    with running_toolsrv(tmp_path / "srv", tools_dirs=(tools,), extra_args=extra) as srv:
+        async with srv.agent("attacker", "sh", "sh_net") as conn:
+            yield Box(srv, conn, *tree)
+
+
+def snapshot(p: Path) -> tuple[int, int, int, int, bytes, list[str]]:
+    st = p.stat()
+    return (st.st_mode, st.st_uid, st.st_mtime_ns, st.st_nlink, p.read_bytes(), os.listxattr(p))
+
+
+METADATA = (
+    TRY
+    + """
+target, other = sys.argv[1], sys.argv[2]
+attempt("chmod", lambda: os.chmod(target, 0o777))
+attempt("chown", lambda: os.chown(target, 65534, 65534))
+attempt("utime", lambda: os.utime(target, (978307200, 978307200)))
+attempt("setxattr", lambda: os.setxattr(target, "user.x", b"1"))
+attempt("mknod", lambda: os.mknod(other, 0o600 | 0o010000))
+attempt("truncate", lambda: os.truncate(target, 0))
+attempt("rename", lambda: os.rename(target, other + ".moved"))
+"""
+)
+
+
+@needs_ns
+async def test_metadata_outside_the_roots(box: Box) -> None:
+    victim = box.outside / "victim"
+    before = snapshot(victim)
+    got = await box.py(METADATA, str(victim), str(box.outside / "node"))
+    assert set(got) == {"chmod", "chown", "utime", "setxattr", "mknod", "truncate", "rename"}
+    for what, errno_name in got.items():
+        assert errno_name in ("EROFS", "EACCES", "EPERM"), (what, got)
+    assert snapshot(victim) == before
+    assert sorted(os.listdir(box.outside)) == ["victim"]
+    # Positive control: the same program on a file of the cwd changes it.
+    mine = box.work / "mine"
+    mine.write_text("mine\n")
+    got = await box.py(METADATA, str(mine), str(box.work / "node"))
+    assert got["chmod"] == got["utime"] == got["mknod"] == got["truncate"] == "ok", got
+    assert got["rename"] == "ok" and (box.work / "node.moved").exists()
+
+
+@needs_ns
+async def test_protected_names_at_any_depth(box: Box) -> None:
+    w = box.work
+    targets = [
+        w / "sub/.git/hooks/pre-commit",
+        w / "sub/.git/config",
+        w / ".git/hooks/post-checkout",
+        w / "a/b/.git",  # a .git file (gitdir: ...): rewritten, it would point git elsewhere
+        w / ".ollie/x",
+    ]
+    code = TRY + "for p in sys.argv[1:]: attempt(p, lambda p=p: open(p, 'a').write('evil'))\n"
+    got = await box.py(code, *map(str, targets), str(w / "sub/file"))
+    assert got.pop(str(w / "sub/file")) == "ok"  # positive control, next to a .git
+    assert set(got.values()) <= {"EROFS", "EACCES"}, got
+    assert (w / "sub/.git/config").read_text() == "[core]\n"
+    assert (w / "a/b/.git").read_text() == "gitdir: ../../.git\n"
+    assert not (w / "sub/.git/hooks/pre-commit").exists() and not (w / ".ollie/x").exists()
+    # Nor can they be moved away, removed or replaced by a symlink.
+    out = await box.sh(
+        "mv sub/.git sub/git2; rm -rf sub/.git; ln -sfn /tmp sub/.git; mv a/b/.git a/b/g2;"
+        " echo done"
+    )
+    assert out.endswith("done")
+    assert (w / "sub/.git/config").read_text() == "[core]\n" and not (w / "sub/git2").exists()
+    assert not (w / "sub/.git").is_symlink() and (w / "a/b/.git").is_file()
+    # Moving the directory that holds a .git moves the read-only mount along with it.
+    got = await box.py(
+        TRY + "os.makedirs('q'); os.rename('sub', 'q/sub')\n"
+        "attempt('moved', lambda: open('q/sub/.git/hooks/x', 'w').write('evil'))\n"
+    )
+    assert got == {"moved": got["moved"]} and got["moved"] in ("EROFS", "EACCES")
+    assert not (w / "q/sub/.git/hooks/x").exists()
+
+
+@needs_ns
+async def test_a_symlinked_git_protects_its_target(box: Box) -> None:
+    w = box.work
+    (w / "evil" / "hooks").mkdir(parents=True)
+    (w / "linked").mkdir()
+    (w / "linked" / ".git").symlink_to("../evil")
+    code = TRY + "for p in sys.argv[1:]: attempt(p, lambda p=p: open(p, 'w').write('x'))\n"
+    got = await box.py(code, str(w / "linked/.git/hooks/x"), str(w / "evil/hooks/y"))
+    assert set(got.values()) <= {"EROFS", "EACCES"}, got
+    assert list((w / "evil" / "hooks").iterdir()) == []
+    got = await box.py(code, str(w / "linked/ok"))  # positive control
+    assert got == {str(w / "linked/ok"): "ok"}
+
+
+async def test_symlink_races_out_of_the_cwd(box: Box) -> None:
+    """A directory swapped with a symlink to the outside, over and over, while another
+    thread writes through its name: a write lands inside or is refused, never outside."""
+    code = (
+        TRY
+        + """
+import threading
+os.makedirs("race"); os.makedirs("real")
+stop = False
+def swap():
+    while not stop:
+        os.rename("race", "real/race"); os.symlink(sys.argv[1], "race"); os.unlink("race")
+        os.rename("real/race", "race")
+t = threading.Thread(target=swap); t.start()
+landed = 0
+for i in range(3000):
+    try:
+        with open(f"race/f{i}", "w") as f:
+            f.write("x")
+        landed += 1
+    except OSError:
+        pass
+stop = True; t.join()
+print("landed", landed)
+"""
+    )
+    got = await box.py(code, str(box.outside))
+    assert sorted(os.listdir(box.outside)) == ["victim"], got
+    assert int(got["landed"]) > 0  # positive control: writes did land, inside
+    assert len(os.listdir(box.work / "race")) == int(got["landed"])
+
+
+async def test_writes_through_proc_magic_links(box: Box) -> None:
+    victim = box.outside / "victim"
+    before = snapshot(victim)
+    code = (
+        TRY
+        + """
+fd = os.open(sys.argv[1], os.O_RDONLY)
+attempt("fd", lambda: open(f"/proc/self/fd/{fd}", "w").write("x"))
+attempt("selfroot", lambda: open("/proc/self/root" + sys.argv[1], "w").write("x"))
+attempt("srvroot", lambda: open(f"/proc/{sys.argv[2]}/root" + sys.argv[1], "w").write("x"))
+attempt("initroot", lambda: open("/proc/1/root" + sys.argv[1], "w").write("x"))
+attempt("control", lambda: open("/proc/self/root" + sys.argv[3], "w").write("x"))
+"""
+    )
+    srv_pid = box.srv.proc.pid if box.srv.proc else 1
+    got = await box.py(code, str(victim), str(srv_pid), str(box.work / "via-proc"))
+    assert got.pop("control") == "ok" and (box.work / "via-proc").read_text() == "x"
+    assert set(got.values()) <= {"EROFS", "EACCES", "EPERM", "ENOENT"}, got
+    assert snapshot(victim) == before
+
+
+async def test_hard_links_to_outside_files(box: Box) -> None:
+    victim = box.outside / "victim"
+    before = snapshot(victim)
+    (box.work / "inside").write_text("in\n")
+    code = (
+        TRY
+        + """
+attempt("outside", lambda: os.link(sys.argv[1], "hl"))
+attempt("control", lambda: os.link("inside", "hl2"))
+"""
+    )
+    got = await box.py(code, str(victim))
+    assert got == {"outside": got["outside"], "control": "ok"}
+    assert got["outside"] in ("EXDEV", "EACCES", "EPERM", "EROFS")
+    assert not (box.work / "hl").exists() and snapshot(victim) == before
+
+
+UDP = (
+    TRY
+    + """
+to = ("127.0.0.1", int(sys.argv[1]))
+attempt("send", lambda: socket.socket(type=socket.SOCK_DGRAM).sendto(b"x", to))
+attempt("bind", lambda: socket.socket(type=socket.SOCK_DGRAM).bind(("127.0.0.1", 0)))
+"""
+)
+
+
+async def test_udp_send_and_bind(box: Box) -> None:
+    with socket.socket(type=socket.SOCK_DGRAM) as host:
+        host.bind(("127.0.0.1", 0))
+        host.setblocking(False)
+        port = str(host.getsockname()[1])
+        got = await box.py(UDP, port)
+        assert got["send"] != "ok" and got["bind"] != "ok", got
+        with pytest.raises(BlockingIOError):
+            host.recv(16)
+        # Positive control: the network profile reaches the host's loopback.
+        assert await box.py(UDP, port, tool="sh_net") == {"send": "ok", "bind": "ok"}
+        assert host.recv(16) == b"x"
+
+
+@needs_ns
+async def test_abstract_unix_sockets(box: Box, tmp_path: Path) -> None:
+    """The tool binds an abstract name and holds it while the host looks for it; it also
+    tries the host's own abstract name. Neither crosses (the tool's network namespace; the
+    Landlock scope for connecting out)."""
+    name = f"olliefs-attack-{os.getpid()}"
+    ready, go = box.work / "ready", tmp_path / "go"
+    os.mkfifo(go)
+    code = (
+        TRY
+        + """
+s = socket.socket(socket.AF_UNIX)
+attempt("bind", lambda: s.bind("\\0" + sys.argv[1] + "-tool"))
+s.listen(1)
+attempt("connect", lambda: socket.socket(socket.AF_UNIX).connect("\\0" + sys.argv[1]))
+open(sys.argv[2], "w").close()
+open(sys.argv[3]).read()  # held until the host has looked
+"""
+    )
+    got: dict[str, str] = {}
+    with socket.socket(socket.AF_UNIX) as host:
+        host.bind("\0" + name)
+        host.listen(1)
+        async with trio.open_nursery() as nursery:
+
+            async def call() -> None:
+                got.update(await box.py(code, name, str(ready), str(go), tool=tool))
+
+            for tool, reachable in (("sh", False), ("sh_net", True)):
+                got.clear()
+                nursery.start_soon(call)
+                with trio.fail_after(20):
+                    while not ready.exists():
+                        await trio.sleep(0.01)
+                probe = socket.socket(socket.AF_UNIX)
+                try:
+                    probe.connect("\0" + name + "-tool")
+                    seen = True
+                except ConnectionRefusedError:
+                    seen = False
+                probe.close()
+                # Positive control: with the host's network (sh_net) the same bind is seen.
+                assert seen == reachable, tool
+                await trio.to_thread.run_sync(lambda: go.write_text("\n"))
+                with trio.fail_after(20):
+                    while "connect" not in got:
+                        await trio.sleep(0.01)
+                ready.unlink()
+                assert got["bind"] == "ok" and got["connect"] in ("ECONNREFUSED", "EPERM"), got
+
+
+async def test_daemon_and_toolsrv_sockets_are_out_of_reach(box: Box, tmp_path: Path) -> None:
+    daemon_sock = tmp_path / "run" / "daemon.sock"
+    control_sock = box.outside / "other.sock"
+    listeners = []
+    for path in (daemon_sock, control_sock):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        s.listen(4)
+        listeners.append(s)
+    try:
+        code = (
+            TRY
+            + """
+for p in sys.argv[1:]:
+    attempt(p, lambda p=p: socket.socket(socket.AF_UNIX).connect(p))
+"""
+        )
+        got = await box.py(code, str(daemon_sock), box.srv.socket, str(control_sock))
+    finally:
+        for s in listeners:
+            s.close()
+    assert got.pop(str(control_sock)) == "ok"  # positive control: pathname sockets work
+    if namespaces.mount_namespaces():
+        assert set(got.values()) <= {"ENOENT", "ECONNREFUSED", "EACCES"}, got
+    else:
+        pytest.skip(reason="without mount namespaces nothing hides the sockets")
+
+
+@needs_scopes
+async def test_signals_to_processes_outside(box: Box) -> None:
+    victim = subprocess.Popen(["sleep", "1000"])
+    try:
+        code = f"kill -9 {victim.pid} 2>&1; echo rc=$?; sleep 1000 & kill -9 $! && echo own-ok"
+        out = await box.sh(code)
+        assert victim.poll() is None, "the tool killed a process outside its call"
+        assert "rc=1" in out and "own-ok" in out, out  # own child: positive control
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+
+
+@pytest.mark.skipif(not ROOT, reason="reading another user's file is a question for root only")
+async def test_another_users_private_file(box: Box) -> None:
+    """Decision (toolsrv(8)): the tool keeps toolsrv's uid, without capabilities: DAC
+    applies with no override, so another user's 0600 file is unreadable even to uid 0."""
+    secret, public = box.outside / "secret", box.outside / "public"
+    for p, mode in ((secret, 0o600), (public, 0o644)):
+        p.write_text(f"{p.name}\n")
+        os.chown(p, 12345, 12345)
+        p.chmod(mode)
+    out = await box.sh(f"cat {secret} 2>&1; cat {public}")
+    assert "secret\n" not in out and "Permission denied" in out
+    assert out.endswith("public")  # positive control: readable files are read
+
+
+async def test_no_capabilities_at_all(box: Box) -> None:
+    keys = "NoNewPrivs|CapInh|CapPrm|CapEff|CapBnd|CapAmb|Seccomp"
+    for tool in ("sh", "sh_net"):
+        out = await box.sh(f"grep -E '^({keys}):' /proc/self/status", tool)
+        fields = dict(line.split(":\t") for line in out.splitlines())
+        assert fields.pop("NoNewPrivs") == "1" and fields.pop("Seccomp") == "2", out
+        if not ROOT:
+            fields.pop("CapBnd")  # an unprivileged server cannot empty it (toolsrv(8))
+        assert fields and set(fields.values()) == {"0000000000000000"}, (tool, out)
+    if ROOT:  # positive control: the same probe outside a tool sees capabilities
+        assert "CapEff:\t0000000000000000" not in Path("/proc/self/status").read_text()
+
+
+SYSCALLS = {  # x86_64, aarch64
+    "keyctl": (250, 219),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "getpid": (39, 172),
+}
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "aarch64"), reason="syscall numbers known for two arches"
+)
+async def test_seccomp_refusals(box: Box) -> None:
+    arch = 0 if platform.machine() == "x86_64" else 1
+    nums = {k: str(v[arch]) for k, v in SYSCALLS.items()}
+    code = """
+import ctypes, errno, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def report(label, rc):
+    print(label, "ok" if rc >= 0 else errno.errorcode[ctypes.get_errno()])
+nums = dict(a.split("=") for a in sys.argv[1:])
+for name in ("keyctl", "bpf", "perf_event_open", "getpid"):
+    report(name, libc.syscall(int(nums[name]), 0, 0, 0, 0, 0))
+report("ptrace", libc.ptrace(0, 0, 0, 0))
+report("unshare_user", libc.unshare(0x10000000))
+report("mount", libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+"""
+    got = await box.py(code, *(f"{k}={v}" for k, v in nums.items()))
+    assert got.pop("getpid") == "ok"  # positive control: the same path, an allowed syscall
+    assert got == dict.fromkeys(
+        ("keyctl", "bpf", "perf_event_open", "ptrace", "unshare_user", "mount"), "EPERM"
+    ), got
+    out = await box.sh("unshare -U true 2>&1; echo rc=$?")
+    assert "rc=1" in out and "Operation not permitted" in out
+
+
+async def test_the_shipped_tools_still_work_in_the_sandbox(box: Box) -> None:
+    """What tools need is left: /dev/null, the tmp dir, pipes, socketpairs, subprocesses."""
+    code = """
+        echo a > /dev/null && echo b > "$TMPDIR/t" && cat "$TMPDIR/t" &&
+        eval "$PAIR" &&
+        ( echo d | cat ) && mkdir -p deep/er && echo e > deep/er/f && cat deep/er/f
+    """
+    pair = "import socket; a, b = socket.socketpair(); a.send(b'c'); print(b.recv(1).decode())"
+    out = await box.sh(
+        f"PAIR={shlex.quote(shlex.join(['python3', '-c', pair]))}\n" + textwrap.dedent(code)
+    )
+    assert out.split() == ["b", "c", "d", "e"], out
+    assert stat.S_ISREG((box.work / "deep" / "er" / "f").stat().st_mode)

@@ -1,0 +1,253 @@
+"""Spawning a tool: a fresh thread enters the call's sandbox, then vforks and execs it.
+
+Each spawn needs a brand-new OS thread: the sandbox (`toolsrv.sandbox.Prepared.enter`) is
+applied to the spawning thread for good, and the child inherits it from that thread. A
+``preexec_fn`` would force a full fork of the server and run Python between fork and exec:
+2 ms more per call on a VM, which alone would triple the cost of running ``true``; it is only
+used to set rlimits, when a profile asks for ``max_memory`` (see `spawn_in_thread`).
+
+The next thread is started ahead (`Spawner.prestart`) while a tool runs, off the critical
+path. For the microseconds the spawning thread lives on after the spawn, it shares the
+tool's sandbox: the server is non-dumpable meanwhile so the tool cannot ptrace it.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import ctypes
+import logging
+import os
+import resource
+import subprocess
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
+import trio
+
+from toolsrv import namespaces
+from toolsrv.exec.cgroup import Cgroup, CgroupBackend
+from toolsrv.sandbox import Prepared
+
+log = logging.getLogger(__name__)
+
+SPAWN_BLOCK = 0.002
+"""Seconds the event loop blocks waiting for a spawn before it awaits it the trio way."""
+_PR_GET_DUMPABLE = 3
+_PR_SET_DUMPABLE = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_T = TypeVar("_T")
+
+
+class SetupError(Exception):
+    """The spawning thread could not enter the sandbox: nothing was spawned."""
+
+
+class Spare:
+    """A thread started ahead of time, waiting for the one job it will run before ending.
+
+    With a v1 cgroup backend the spare also takes the next call's cgroup and joins it at
+    once: joining (a write to ``tasks``) waits for an RCU grace period inside the kernel,
+    which was measured at 15-20 ms on an idle VM. Done ahead, nobody waits for it.
+    """
+
+    def __init__(self, cg: Cgroup | None = None, *, mount_ns: bool = False) -> None:
+        self.cg = cg
+        self.mount_ns = mount_ns  # to make its private mount namespace ahead
+        self.own_mount_ns = False  # set by the thread once it has one
+        self.joined: Cgroup | None = None  # set by the thread once it joined ``cg``
+        self.bounding_dropped = False  # set by the thread once its bounding set is empty
+        self._go = _thread.allocate_lock()
+        self._go.acquire()
+        self._running = _thread.allocate_lock()  # held while the thread lives
+        self._running.acquire()
+        self._job: Callable[[], None] | None = None
+        _thread.start_new_thread(self._main, ())
+
+    def _main(self) -> None:
+        # Emptying the bounding set is ~40 credential commits: done here, ahead of the job.
+        try:
+            self.bounding_dropped = namespaces.drop_bounding_set()
+        except OSError as err:  # the job tries again, and fails the call if it must
+            log.debug("spare thread kept its bounding set: %s", err.strerror)
+        if self.mount_ns:
+            try:
+                namespaces.private_mount_ns()
+                self.own_mount_ns = True
+            except OSError as err:  # the job makes it (or fails the call) the usual way
+                log.debug("spare thread has no mount namespace: %s", err.strerror)
+        if self.cg is not None:
+            try:
+                os.write(self.cg.join_fd, str(threading.get_native_id()).encode())
+                self.joined = self.cg
+            except OSError as err:  # the job joins (or fails) the usual way
+                log.debug("spare thread could not join %s: %s", self.cg.path, err.strerror)
+        self._go.acquire()
+        try:
+            if self._job is not None:
+                self._job()
+        finally:
+            self._running.release()
+
+    def run(self, job: Callable[[], None]) -> None:
+        self._job = job
+        self._go.release()
+
+    def join(self, timeout: float) -> None:
+        """Wait (a bounded time) for the thread to end, e.g. to leave its cgroup."""
+        if self._running.acquire(timeout=timeout):
+            self._running.release()
+
+
+class Spawner:
+    """The spawning threads of one executor: the spare, and the dumpable guard."""
+
+    def __init__(self, cgroups: CgroupBackend | None, *, mount_ns: bool = False) -> None:
+        self.cgroups = cgroups
+        self.mount_ns = mount_ns
+        self._mounts = namespaces.MountWatch() if mount_ns else None
+        self._spare: Spare | None = None
+        self._spawning = 0
+        self._was_dumpable: bool | None = None
+
+    def prestart(self, max_procs: int) -> None:
+        """Start the next spawning thread now, while a tool runs and the server waits."""
+        if self._spare is None:
+            cg = None
+            if self.cgroups is not None and self.cgroups.version == 1:
+                try:
+                    cg = self.cgroups.acquire(max_procs)
+                except OSError as err:
+                    log.debug("no cgroup for the spare thread: %s", err.strerror)
+            if self._mounts is not None:
+                self._mounts.changed()  # from here on, a change makes the spare stale
+            self._spare = Spare(cg, mount_ns=self.mount_ns)
+
+    def take_spare(self) -> Spare | None:
+        spare, self._spare = self._spare, None
+        if spare is not None and self._mounts is not None and self._mounts.changed():
+            log.debug("mount table changed: the spare thread's copy is stale")
+            self._end(spare)
+            spare = None
+        return spare
+
+    def return_spare(self, spare: Spare) -> None:
+        """A spare taken but not used: keep it for the next call, or end it."""
+        if self._spare is None:
+            self._spare = spare
+            return
+        self._end(spare)
+
+    def _end(self, spare: Spare) -> None:
+        spare.run(lambda: None)
+        if spare.cg is not None and self.cgroups is not None:
+            spare.join(1.0)  # v1 counts its thread in the cgroup until it ends
+            self.cgroups.release(spare.cg)
+
+    def close(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            self._end(spare)
+        if self._mounts is not None:
+            self._mounts.close()
+
+    def _guard(self, start: bool) -> None:
+        """Keep the server non-dumpable while a spawning thread lives.
+
+        That thread shares the tool's sandbox, which does not stop the tool from
+        ptrace-attaching it during the microseconds it lives on after exec; being
+        non-dumpable does (attaching then takes CAP_SYS_PTRACE, which tools lack), and
+        costs two prctls.
+        """
+        if self._was_dumpable is None:
+            self._was_dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
+        if not self._was_dumpable:
+            return
+        self._spawning += 1 if start else -1
+        if self._spawning == (1 if start else 0):
+            _libc.prctl(_PR_SET_DUMPABLE, 0 if start else 1, 0, 0, 0)
+
+    async def in_fresh_thread(self, fn: Callable[[Spare], _T], spare: Spare | None) -> _T:
+        """Run ``fn`` in a new OS thread that ends with it: never trio's thread cache, which
+        would hand the restricted thread to unrelated work afterwards. The wait is shielded:
+        a spawn takes about a millisecond and its result must not be lost."""
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        result: list[_T] = []
+        error: list[BaseException] = []
+
+        ready = _thread.allocate_lock()
+        ready.acquire()
+        thread = spare or Spare()
+
+        def body() -> None:
+            try:
+                result.append(fn(thread))
+            except BaseException as err:
+                error.append(err)
+            finally:
+                ready.release()
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(done.set)
+
+        self._guard(True)
+        thread.run(body)
+        # A spawn takes ~0.3 ms. Waiting for it on a lock, with the event loop blocked, is
+        # ~0.1 ms faster than a trio wakeup from another thread; a slow spawn (a mount
+        # namespace, a binary on a slow filesystem) blocks the loop SPAWN_BLOCK at most and
+        # is then awaited the trio way.
+        if not ready.acquire(timeout=SPAWN_BLOCK):
+            with trio.CancelScope(shield=True):
+                await done.wait()
+        self._guard(False)
+        if error:
+            raise error[0]
+        return result[0]
+
+
+def spawn_in_thread(
+    thread: Spare,
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    stdio: tuple[int, int, int],
+    prepared: Prepared,
+    cg: Cgroup | None,
+    version: int,
+    rlimits: list[tuple[int, int]],
+) -> subprocess.Popen[bytes]:
+    """The spawning thread: join the cgroup (v1), restrict itself, vfork+exec the tool.
+
+    ``rlimits`` are per process, so the thread cannot pass them on: when there are any, the
+    spawn forks and sets them in the child before exec (a Python ``preexec_fn``: a full
+    fork of the server, ~2 ms, paid only by profiles with ``max_memory`` and by non-root
+    servers without a pids cgroup).
+    """
+    try:
+        if cg is not None and version == 1 and thread.joined is not cg:
+            os.write(cg.join_fd, str(threading.get_native_id()).encode())
+        prepared.enter(bounding_dropped=thread.bounding_dropped, own_mount_ns=thread.own_mount_ns)
+    except OSError as err:
+        raise SetupError(str(err)) from err
+    proc = subprocess.Popen(
+        argv,
+        stdin=stdio[0],
+        stdout=stdio[1],
+        stderr=stdio[2],
+        cwd=cwd,
+        env=env,
+        close_fds=True,
+        start_new_session=True,
+        preexec_fn=partial(_set_rlimits, rlimits) if rlimits else None,
+    )
+    if cg is not None and version == 2:
+        with contextlib.suppress(OSError):  # already gone
+            os.write(cg.join_fd, str(proc.pid).encode())
+    return proc
+
+
+def _set_rlimits(rlimits: list[tuple[int, int]]) -> None:
+    for res, value in rlimits:
+        resource.setrlimit(res, (value, value))

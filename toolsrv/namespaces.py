@@ -1,0 +1,328 @@
+"""Kernel plumbing for the sandbox: mount and network namespaces, capabilities.
+
+Everything here runs in the thread that spawns a tool (see `toolsrv.sandbox.Prepared.enter`):
+namespaces, capabilities and no_new_privs are per thread on Linux, and the tool inherits them
+from the thread that forks it. Only `empty_netns` runs elsewhere, once per server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MOUNT_ATTR_RDONLY = 1
+_AT_FDCWD = -100
+_AT_RECURSIVE = 0x8000
+_OPEN_TREE_CLONE = 1
+_MOVE_MOUNT_F_EMPTY_PATH = 4
+# The syscalls added since 5.0 have one number on every architecture (alpha aside).
+_NR_OPEN_TREE = 428
+_NR_MOVE_MOUNT = 429
+_NR_MOUNT_SETATTR = 442
+_PR_CAPBSET_DROP = 24
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_CAP_VERSION_3 = 0x20080522
+_CAP_SETPCAP = 8
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return rc
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def mount(
+    src: str | None, target: str, flags: int, fstype: str | None = None, data: str = ""
+) -> None:
+    s = None if src is None else os.fsencode(src)
+    t = None if fstype is None else fstype.encode()
+    d = data.encode() if data else None
+    _check(_libc.mount(s, os.fsencode(target), t, ctypes.c_ulong(flags), d), f"mount {target}")
+
+
+def mount_setattr(path: str, set_: int, clear: int = 0, *, recursive: bool = False) -> None:
+    attr = _MountAttr(set_, clear, 0, 0)
+    flags = _AT_RECURSIVE if recursive else 0
+    rc = _libc.syscall(
+        ctypes.c_long(_NR_MOUNT_SETATTR),
+        ctypes.c_int(_AT_FDCWD),
+        os.fsencode(path),
+        ctypes.c_uint(flags),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    _check(rc, f"mount_setattr {path}")
+
+
+def open_tree_clone(path: str) -> int:
+    """A detached copy of the mount tree at ``path`` (submounts and their flags included)."""
+    flags = _OPEN_TREE_CLONE | _AT_RECURSIVE | os.O_CLOEXEC
+    rc = _libc.syscall(
+        ctypes.c_long(_NR_OPEN_TREE),
+        ctypes.c_int(_AT_FDCWD),
+        os.fsencode(path),
+        ctypes.c_uint(flags),
+    )
+    return _check(rc, f"open_tree {path}")
+
+
+def move_mount(fd: int, target: str) -> None:
+    rc = _libc.syscall(
+        ctypes.c_long(_NR_MOVE_MOUNT),
+        ctypes.c_int(fd),
+        b"",
+        ctypes.c_int(_AT_FDCWD),
+        os.fsencode(target),
+        ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+    )
+    _check(rc, f"move_mount {target}")
+
+
+def prctl(option: int, arg: int) -> int:
+    return int(
+        _libc.prctl(
+            ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), None
+        )
+    )
+
+
+def no_new_privs() -> None:
+    _check(prctl(_PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+@functools.cache
+def _last_cap() -> int:
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 40
+
+
+def _caps() -> tuple[_CapHeader, ctypes.Array[_CapData]]:
+    hdr = _CapHeader(_CAP_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capget(ctypes.byref(hdr), data), "capget")
+    return hdr, data
+
+
+def drop_bounding_set() -> bool:
+    """Empty this thread's capability bounding set; False if it cannot (no CAP_SETPCAP).
+
+    One credential commit per capability, ~3 µs each: spare threads do it ahead of their
+    job (`toolsrv.exec.spawn.Spare`). As an unprivileged user it cannot be done, and need
+    not be: with no_new_privs an exec never gains a capability, whatever the bounding set.
+    """
+    _hdr, data = _caps()
+    if not data[0].effective & (1 << _CAP_SETPCAP):
+        return False
+    for cap in range(_last_cap() + 1):
+        _check(prctl(_PR_CAPBSET_DROP, cap), f"PR_CAPBSET_DROP {cap}")
+    return True
+
+
+def drop_all_caps() -> None:
+    """Effective, permitted, inheritable and ambient sets to zero, for good."""
+    hdr, data = _caps()
+    for i in (0, 1):
+        data[i].effective = data[i].permitted = data[i].inheritable = 0
+    _check(_libc.capset(ctypes.byref(hdr), data), "capset")
+    prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
+
+
+@dataclass(frozen=True)
+class MountPlan:
+    """The tool's view of the filesystems, made in a private mount namespace.
+
+    ``roots`` stay writable (each keeps its own mounts and their flags); everything else is
+    read-only; ``protect`` entries (beneath roots) are read-only binds; ``hide_dirs`` get an
+    empty read-only tmpfs on top, ``hide_files`` /dev/null (so a socket there refuses
+    connections: it is not a socket any more).
+    """
+
+    roots: tuple[str, ...]
+    protect: tuple[str, ...] = ()
+    hide_dirs: tuple[str, ...] = ()
+    hide_files: tuple[str, ...] = ()
+
+    def apply(self, *, own_ns: bool = False) -> None:
+        """Make the calling thread's view; ``own_ns``: the thread already has a private
+        mount namespace of its own (`private_mount_ns`, done ahead by spare threads)."""
+        if not own_ns:
+            private_mount_ns()
+        # The roots are copied before "/" turns read-only, so the copies keep the flags the
+        # host gives them (a read-only mount inside a root stays read-only).
+        clones: list[tuple[str, int]] = []
+        try:
+            for root in self.roots:
+                clones.append((root, open_tree_clone(root)))
+            mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
+            for root, fd in clones:
+                move_mount(fd, root)
+        finally:
+            for _root, fd in clones:
+                os.close(fd)
+        for path in self.protect:
+            try:
+                mount(path, path, MS_BIND)
+            except FileNotFoundError:  # removed since the scan: nothing left to protect
+                continue
+            mount_setattr(path, MOUNT_ATTR_RDONLY)
+        for path in self.hide_dirs:
+            flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+            mount("none", path, flags, "tmpfs", "size=4k,mode=000")
+        for path in self.hide_files:
+            mount("/dev/null", path, MS_BIND)
+
+
+def private_mount_ns() -> None:
+    """Give the calling thread its own copy of the mount tree, propagating nothing back.
+
+    ~85 µs (the copy of every mount): spare threads do it ahead of their job, while the
+    previous tool runs; `MountWatch` says when such a copy has gone stale.
+    """
+    unshare(CLONE_NEWNS)
+    mount(None, "/", MS_REC | MS_PRIVATE)
+
+
+class MountWatch:
+    """Tells whether the host's mount table changed since the last look (one poll(2) of
+    /proc/self/mountinfo, which reports POLLPRI once per change). A thread that copied the
+    mount tree before a change must not be used: its copy lacks a new mount (which would
+    appear writable to no one, but missing) or pins one the host unmounted."""
+
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLPRI | select.POLLERR)
+        self.changed()
+
+    def changed(self) -> bool:
+        return bool(self._poll.poll(0))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._poll.unregister(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def run_in_thread(fn: Callable[[], None]) -> BaseException | None:
+    """Run ``fn`` in a throw-away thread (for work that changes thread state for good)."""
+    box: list[BaseException | None] = [None]
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as err:
+            box[0] = err
+
+    t = threading.Thread(target=body, name="toolsrv-ns")
+    t.start()
+    t.join()
+    return box[0]
+
+
+@functools.cache
+def mount_namespaces() -> bool:
+    """Whether a thread can get a private mount namespace and make mounts read-only there
+    (root, or CAP_SYS_ADMIN, and mount_setattr: Linux 5.12).
+
+    Probed once for real in a throw-away thread: ``unshare`` can be refused by seccomp or a
+    container runtime even to root.
+    """
+
+    def probe() -> None:
+        private_mount_ns()
+        mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
+
+    err = run_in_thread(probe)
+    if err is not None:
+        log.debug("sandbox: no private mount namespaces (%s)", err)
+    return err is None
+
+
+def empty_netns() -> int | None:
+    """An fd of a new, empty network namespace (only a loopback, left down), or None.
+
+    Made once per server and shared by every call without network: creating one costs
+    ~0.6 ms (and more to tear down, in the kernel's own time), joining it ~30 µs.
+    """
+    fds: list[int] = []
+
+    def make() -> None:
+        unshare(CLONE_NEWNET)
+        fds.append(os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
+
+    err = run_in_thread(make)
+    if err is not None:
+        log.debug("sandbox: no network namespace (%s)", err)
+        return None
+    return fds[0]
+
+
+def split_hidden(paths: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Existing paths to hide, as (directories, other files)."""
+    dirs: list[str] = []
+    files: list[str] = []
+    for p in map(os.path.realpath, paths):
+        if os.path.isdir(p):
+            dirs.append(p)
+        elif os.path.lexists(p):
+            files.append(p)
+    # What lies beneath a hidden directory is hidden with it (and no longer there to mount on).
+    dirs = [d for d in dirs if not any(o != d and d.startswith(o + os.sep) for o in dirs)]
+    files = [f for f in files if not any(f.startswith(d + os.sep) for d in dirs)]
+    return tuple(dirs), tuple(files)
