@@ -1,8 +1,15 @@
-"""``ollie``: mount, umount, status, and the replay LLM server.
+"""``ollie``: mount, umount, status, doctor, install-helpers, man, and the replay LLM server.
 
 ``ollie mount`` checks everything it can before it forks (so mistakes are reported by the
 command that made them, in one line, with a non-zero exit), then starts the daemon in its
 own session and waits until the daemon says the tree answers, or reports why it died.
+
+``ollie umount`` and ``ollie status`` act on the mount they name, whichever state dir its
+daemon uses (``olliefs.mounts`` finds the daemon behind a mount point); without a mount
+point they act on the daemon of this state dir. ``ollie doctor`` only looks
+(``olliefs.doctor``). ``ollie install-helpers`` copies the mount(8) helper, the systemd
+user unit, the bash completion and the man pages (all shipped as package data) where
+mount(8), systemd, bash and man(1) look for them.
 """
 
 from __future__ import annotations
@@ -10,17 +17,22 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import importlib.util
 import logging
 import os
+import re
+import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import trio
 
+from olliefs import mounts
 from olliefs.settings import Paths, install_defaults, load_settings, paths, private_file
 
 PROG = "ollie"
@@ -32,19 +44,6 @@ class CliError(Exception):
 
 def default_mountpoint() -> str:
     return os.environ.get("OLLIE") or os.path.expanduser("~/ollie")
-
-
-def _mounts() -> dict[str, str]:
-    """Mount point -> filesystem type, from /proc/self/mountinfo."""
-    out: dict[str, str] = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            if len(fields) > 4 and right:
-                mnt = fields[4].replace("\\040", " ")
-                out[mnt] = right.split()[0]
-    return out
 
 
 def _daemon_pid(p: Paths) -> tuple[int, str] | None:
@@ -88,7 +87,8 @@ def preflight(mnt: str, p: Paths, *, create_default: bool) -> None:
     running = _daemon_pid(p)
     if running:
         raise CliError(f"already mounted at {running[1]} (daemon pid {running[0]})")
-    if _mounts().get(mnt, "").startswith("fuse"):
+    here = mounts.mount_at(mounts.canonical(mnt))
+    if here is not None and here.fstype.startswith("fuse"):
         # A dead daemon's mount can still answer stat from the kernel's attribute cache;
         # listing it always reaches the daemon, and fails with ENOTCONN when it is gone.
         try:
@@ -131,12 +131,16 @@ def run_daemon(mnt: str, p: Paths, ready_fd: int | None, verbose: bool) -> int:
     from olliefs.daemon import DaemonError, lock_state, serve
 
     _setup_logging(p, ready_fd is None, verbose)
+    # Not passed on to toolsrv or to the tools: only this process may report readiness.
+    notify_socket = os.environ.pop("NOTIFY_SOCKET", None)
     settings = load_settings(p)
 
     def ready() -> None:
         if ready_fd is not None:
             os.write(ready_fd, b"ok\n")
             os.close(ready_fd)
+        if notify_socket:
+            sd_notify(notify_socket, f"READY=1\nSTATUS=mounted at {mnt}\n")
 
     try:
         lock = lock_state(p)
@@ -192,39 +196,282 @@ def cmd_mount(args: argparse.Namespace) -> int:
     raise CliError(reason)
 
 
+def sd_notify(address: str, message: str) -> None:
+    """Tell systemd the daemon is ready (``Type=notify`` in ``ollie.service``).
+
+    The protocol is one datagram to the unix socket named by ``$NOTIFY_SOCKET`` (``@`` for
+    the abstract namespace). A failure is logged, never fatal: readiness is a courtesy to
+    the service manager, the mount works either way.
+    """
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(address)
+            s.sendall(message.encode())
+    except OSError as err:
+        logging.getLogger("olliefs").warning("cannot notify systemd: %s", err)
+
+
+def _terminate(pid: int, timeout: float = 30.0) -> bool:
+    """SIGTERM the daemon and wait for it to end; False if it is still there at timeout.
+
+    Through a pidfd: the signal cannot reach another process that took over a reused pid,
+    and the wait is one poll(2), woken by the exit itself. A daemon unmounts before it
+    exits, so once it is gone the mount is too.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+        except ProcessLookupError:
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(int(timeout * 1000)))
+    finally:
+        os.close(fd)
+
+
+def _stop(pid: int, mnt: str) -> None:
+    if not _terminate(pid):
+        raise CliError(f"daemon pid {pid} did not exit within 30 s of SIGTERM")
+    at = mounts.mount_at(mounts.canonical(mnt))
+    if at is not None and at.fstype == mounts.FSTYPE:  # it died before it could unmount
+        _clear_stale(mnt)
+    print(f"unmounted {mnt}")
+
+
+def _umount_point(mnt: str) -> int:
+    st = mounts.status(mnt)
+    if st.state is mounts.State.LIVE:
+        if st.daemon is None:
+            raise CliError(
+                f"{mnt} is served by a daemon this user cannot see;"
+                f" its owner (or root) can unmount it: fusermount3 -u {mnt}"
+            )
+        _stop(st.daemon.pid, mnt)
+        return 0
+    if st.state is mounts.State.DEAD:
+        _clear_stale(mnt)
+        print(f"{PROG}: no daemon; cleared the dead mount at {mnt}", file=sys.stderr)
+        return 0
+    if st.state is mounts.State.FOREIGN:
+        raise CliError(f"not an olliefs mount: {mnt} ({st.fstype})")
+    raise CliError(f"not mounted: {mnt}")
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
+    if args.mountpoint is not None:
+        return _umount_point(mounts.canonical(args.mountpoint))
     p = paths()
     running = _daemon_pid(p)
-    if running is None:
-        mnt = os.path.abspath(os.path.expanduser(args.mountpoint or default_mountpoint()))
-        if _mounts().get(mnt, "").startswith("fuse"):
-            _clear_stale(mnt)
-            print(f"{PROG}: no daemon; cleared the mount at {mnt}", file=sys.stderr)
-            return 0
-        raise CliError("not mounted")
-    pid, mnt = running
-    if pid <= 0:
-        raise CliError("a daemon holds the state lock but left no pid file")
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if _daemon_pid(p) is None:  # it released the state lock: it is gone
-            print(f"unmounted {mnt}")
-            return 0
-        time.sleep(0.05)
-    raise CliError(f"daemon pid {pid} did not exit after SIGTERM")
+    if running is not None:
+        pid, mnt = running
+        if pid <= 0:
+            raise CliError("a daemon holds the state lock but left no pid file")
+        _stop(pid, mnt)
+        return 0
+    # No daemon of this state dir: a dead mount it left at the default mount point is
+    # cleared; a live one there belongs to another state dir and is only named.
+    mnt = mounts.canonical(default_mountpoint())
+    st = mounts.status(mnt)
+    if st.state is mounts.State.DEAD:
+        return _umount_point(mnt)
+    if st.state is mounts.State.LIVE:
+        raise CliError(
+            f"not mounted by this state dir ({p.state}); to end the mount at {mnt}"
+            f" all the same: {PROG} umount {mnt}"
+        )
+    raise CliError("not mounted")
+
+
+# Exit codes of `ollie status`, as documented in ollie(1).
+LIVE, NOT_MOUNTED, DEAD = 0, 1, 2
+
+
+def _dead(mnt: str) -> int:
+    print(f"dead mount at {mnt}: its daemon is gone (ENOTCONN); `{PROG} umount {mnt}` clears it")
+    return DEAD
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.mountpoint is not None:
+        mnt = mounts.canonical(args.mountpoint)
+        st = mounts.status(mnt)
+        if st.state is mounts.State.LIVE:
+            d = st.daemon
+            if d is None:
+                print(f"mounted at {mnt} (by a daemon this user cannot see)")
+            else:
+                print(
+                    f"mounted at {mnt} (daemon pid {d.pid}), {d.sessions} sessions,"
+                    f" state in {d.state}"
+                )
+            return LIVE
+        if st.state is mounts.State.DEAD:
+            return _dead(mnt)
+        if st.state is mounts.State.FOREIGN:
+            print(f"not an olliefs mount: {mnt} ({st.fstype})")
+        else:
+            print(f"not mounted: {mnt}")
+        return NOT_MOUNTED
     p = paths()
     running = _daemon_pid(p)
-    if running is None:
-        print("not mounted")
-        return 1
-    pid, mnt = running
-    sessions = len(list(p.sessions.glob("*.jsonl")))
-    print(f"mounted at {mnt} (daemon pid {pid}), {sessions} sessions, state in {p.state}")
+    if running is not None:
+        pid, mnt = running
+        sessions = len(list(p.sessions.glob("*.jsonl")))
+        print(f"mounted at {mnt} (daemon pid {pid}), {sessions} sessions, state in {p.state}")
+        return LIVE
+    # A killed daemon leaves its pid file behind, naming the mount it left dead.
+    places = [default_mountpoint()]
+    try:
+        places.insert(0, p.pid_file.read_text().splitlines()[1])
+    except (OSError, IndexError):
+        pass
+    for place in places:
+        mnt = mounts.canonical(place)
+        if mounts.status(mnt).state is mounts.State.DEAD:
+            return _dead(mnt)
+    print("not mounted")
+    return NOT_MOUNTED
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from olliefs import doctor
+
+    p = paths()
+    failed = False
+    for result in doctor.run(p, load_settings(p)):
+        print(result.line(), flush=True)
+        failed = failed or not result.ok
+    return 1 if failed else 0
+
+
+# ---- helpers and man pages, shipped as package data --------------------------------------
+
+
+def _package_data(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise CliError(f"olliefs is not installed properly: {name} is missing")
+    return Path(spec.origin).parent
+
+
+def helpers_dir() -> Path:
+    """The project's ``mount_helpers/`` folder, installed as ``olliefs._helpers``."""
+    return _package_data("olliefs._helpers")
+
+
+def man_dir() -> Path:
+    """The project's ``man/`` folder, installed as ``olliefs._man``."""
+    return _package_data("olliefs._man")
+
+
+def man_pages() -> list[Path]:
+    return sorted(man_dir().glob("*.[1-8]"))
+
+
+def ollie_command() -> str:
+    """The absolute path of this install's ``ollie``: what mount(8) and systemd run, with
+    a PATH of their own that may not hold a virtualenv or ~/.local/bin."""
+    beside = Path(sys.executable).parent / PROG
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(PROG)
+    if found is None:
+        raise CliError(f"cannot find the {PROG} command (is the package installed with pip?)")
+    return os.path.abspath(found)
+
+
+def _with_command(name: str, text: str, command: str) -> str:
+    """The shipped helper with the absolute ``ollie`` in the place its comment names."""
+    if name == "mount.fuse.ollie":
+        in_quotes = re.sub(r'([\\"$`])', r"\\\1", command)  # inside "${...:=...}"
+        pattern, repl = r"^: \"\$\{OLLIE_BIN:=ollie\}\"$", f': "${{OLLIE_BIN:={in_quotes}}}"'
+    elif name == "ollie.service":
+        quoted = f'"{command}"' if re.search(r"\s", command) else command
+        pattern, repl = r"^ExecStart=ollie ", f"ExecStart={quoted} "
+    else:
+        return text
+    out, n = re.subn(pattern, lambda m: repl, text, count=1, flags=re.M)
+    if n != 1:
+        raise CliError(f"{name}: the line that names ollie is missing")
+    return out
+
+
+def _install(src_text: str, dest: Path, mode: int) -> None:
+    """Written next to its place, then renamed over it: never a half-written helper."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        tmp.write_text(src_text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, dest)
+    except OSError as err:
+        raise CliError(
+            f"cannot write {dest}: {err.strerror} (install as root, or with --user, or choose"
+            " --prefix and --sbindir)"
+        ) from None
+    print(f"installed {dest}")
+
+
+def cmd_install_helpers(args: argparse.Namespace) -> int:
+    if args.user:
+        if args.prefix:
+            raise CliError("--user and --prefix exclude each other")
+        home = Path.home()
+        data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local/share")
+        config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+        completions = data / "bash-completion/completions"
+        units, man = config / "systemd/user", data / "man"
+    else:
+        prefix = Path(args.prefix or "/usr/local")
+        completions = prefix / "share/bash-completion/completions"
+        units, man = prefix / "lib/systemd/user", prefix / "share/man"
+    command = ollie_command()
+    src = helpers_dir()
+    sbindir = args.sbindir or (None if args.user else "/sbin")
+    if sbindir is not None:
+        text = _with_command("mount.fuse.ollie", (src / "mount.fuse.ollie").read_text(), command)
+        _install(text, Path(sbindir) / "mount.fuse.ollie", 0o755)
+    _install((src / "ollie.bash").read_text(), completions / PROG, 0o644)
+    text = _with_command("ollie.service", (src / "ollie.service").read_text(), command)
+    _install(text, units / "ollie.service", 0o644)
+    for page in man_pages():
+        _install(page.read_text(), man / f"man{page.suffix[1:]}" / page.name, 0o644)
+    print("to mount at login: systemctl --user daemon-reload; systemctl --user enable --now ollie")
     return 0
+
+
+def resolve_page(page: str) -> Path:
+    """``ollie`` or ``ollie.1`` or ``1``; ``ollie.5`` or ``5``; ``toolsrv``; ``ollie-replay``."""
+    pages = man_pages()
+    by_name = {p.name: p for p in pages}
+    if page in by_name:
+        return by_name[page]
+    if page.isdigit():
+        found = [p for p in pages if p.suffix == f".{page}"]
+        found.sort(key=lambda p: p.stem != PROG)  # ollie.N first
+    else:
+        found = [p for p in pages if p.stem == page]  # sorted: the lowest section first
+    if not found:
+        raise CliError(f"no man page {page!r} (there are: {' '.join(by_name)})")
+    return found[0]
+
+
+def cmd_man(args: argparse.Namespace) -> int:
+    page = resolve_page(args.page)
+    if args.path:
+        print(page)
+        return 0
+    man = shutil.which("man")
+    if man is None:
+        raise CliError(f"man(1) is not installed; the page is {page}")
+    os.execv(man, ["man", "-l", str(page)])
 
 
 def cmd_replay(argv: list[str]) -> int:
@@ -233,10 +480,8 @@ def cmd_replay(argv: list[str]) -> int:
     return run_cli(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["replay-server"]:
-        return cmd_replay(argv[1:])
+def parser() -> argparse.ArgumentParser:
+    """Every subcommand and flag (ollie(1) and the bash completion are checked against it)."""
     ap = argparse.ArgumentParser(prog=PROG, description="olliefs: an agent runtime as a file tree")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("mount", help="mount the tree (daemonizes; -f stays in the foreground)")
@@ -248,12 +493,36 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(fn=cmd_mount)
     u = sub.add_parser("umount", help="unmount and stop the daemon")
-    u.add_argument("mountpoint", nargs="?")
+    u.add_argument("mountpoint", nargs="?", help="the mount to end (default: this state dir's)")
     u.set_defaults(fn=cmd_umount)
-    s = sub.add_parser("status", help="is it mounted, where, by which daemon")
+    s = sub.add_parser(
+        "status", help="live, dead or not mounted; where, by which daemon (exit 0, 2, 1)"
+    )
+    s.add_argument("mountpoint", nargs="?", help="the mount to look at (default: this state dir's)")
     s.set_defaults(fn=cmd_status)
+    d = sub.add_parser("doctor", help="check this machine and install, one line per check")
+    d.set_defaults(fn=cmd_doctor)
+    h = sub.add_parser(
+        "install-helpers",
+        help="install the mount(8) helper, systemd user unit, bash completion and man pages",
+    )
+    h.add_argument("--prefix", metavar="DIR", help="install under DIR (default /usr/local)")
+    h.add_argument("--sbindir", metavar="DIR", help="where mount.fuse.ollie goes (default /sbin)")
+    h.add_argument("--user", action="store_true", help="for this user only (no mount helper)")
+    h.set_defaults(fn=cmd_install_helpers)
+    mp = sub.add_parser("man", help="read a man page of olliefs (ollie, ollie.5, toolsrv, ...)")
+    mp.add_argument("page", nargs="?", default=PROG, help="ollie (default), 5, toolsrv, ...")
+    mp.add_argument("--path", action="store_true", help="print the page's file instead")
+    mp.set_defaults(fn=cmd_man)
     sub.add_parser("replay-server", help="run the replay LLM server (see --help)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["replay-server"]:
+        return cmd_replay(argv[1:])
+    args = parser().parse_args(argv)
     try:
         return int(args.fn(args))
     except CliError as err:
