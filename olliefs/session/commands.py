@@ -169,6 +169,11 @@ def _tool_unload(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.set_tools(names, f"tool {arg} unloaded")
 
 
+@command("models", "none", "list the backend's models again (the models file)")
+def _models(s: Session, arg: str, p: Pending) -> Apply:
+    return lambda: s.host.models_command(s)
+
+
 @command("clear", "none", "forget the conversation (chat keeps it)", while_running=False)
 def _clear(s: Session, arg: str, p: Pending) -> Apply:
     return s.clear

@@ -82,6 +82,8 @@ class SessionHost(Protocol):
 
     def compactions_root(self) -> Path: ...
 
+    async def models_command(self, s: Session) -> None: ...
+
     def kill(self, s: Session) -> Awaitable[None] | None: ...
 
     def known_tools(self, s: Session) -> set[str]: ...
@@ -131,6 +133,7 @@ class Session:
         self.branches = 0  # how many rewinds kept a branch
         self.last_error = ""  # the reason of the last refused write (the ``err`` file)
         self.plan = ""
+        self.models_text = ""  # the ``models`` file (filled from the backend pool)
         self.queued = trio.lowlevel.ParkingLot()  # fifo.out readers wait here
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped

@@ -18,6 +18,7 @@ SESSION_FILES = {
     "compactions",
     "taskstate",
     "tcct",
+    "models",
     "err",
     "fifo.in",
     "fifo.out",
