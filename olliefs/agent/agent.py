@@ -37,6 +37,7 @@ from olliefs.agent.dispatch import tool_env
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History
 from olliefs.agent.loop import run_turn
+from olliefs.agent.profile import permits
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink, preamble
 from olliefs.agent.safety import Action, Safety
@@ -111,6 +112,8 @@ class Agent:
         self.taskstate = TaskState()
         self.safety = Safety()
         self.tool_calls = 0  # tcct: the session's tool calls so far
+        self.allow_tools: tuple[str, ...] | None = None  # the profile's allowTools
+        self.prompt: str | None = None  # the profile's resolved prompt, once built
         self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
 
     # ---- the turn host --------------------------------------------------------------
@@ -166,6 +169,9 @@ class Agent:
                 "(OLLIE_MAX_SESSION_COST); the turn ends here"
             )
         return None
+
+    def permits(self, tool: str) -> bool:
+        return permits(self.allow_tools, tool)
 
     def turn_started(self, prompt: str) -> None:
         self.taskstate = start_turn(self.taskstate, prompt)
@@ -238,7 +244,11 @@ class Agent:
         return preamble(
             session_id=self.host.id,
             cwd=self.cfg.cwd,
-            profile_prompt=self.services.profile_prompt(self.cfg.agent),
+            profile_prompt=(
+                self.prompt
+                if self.prompt is not None
+                else self.services.profile_prompt(self.cfg.agent)
+            ),
             link=self.link,
         )
 

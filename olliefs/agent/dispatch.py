@@ -52,6 +52,10 @@ class ToolHost(Protocol):
 
     def tool_env(self) -> Mapping[str, str]: ...
 
+    def permits(self, tool: str) -> bool:
+        """allowTools of the agent's profile: a call outside it never reaches toolsrv."""
+        ...
+
     def results_dir(self) -> Path: ...
 
     def set_state(self, state: str) -> None: ...
@@ -162,6 +166,9 @@ def _release(rnd: Round, force: bool = False) -> None:
 async def _run_one(rnd: Round, i: int) -> None:
     host, o = rnd.host, rnd.outcomes[i]
     name = o.call.name
+    if not host.permits(name):
+        o.text, o.error = f"{name}: not permitted for this agent (its profile's allowTools)", True
+        return
     meta = host.link.metas.get(name)
     if meta is None:
         loaded = ", ".join(host.link.wanted) or "none"

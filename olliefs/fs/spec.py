@@ -31,6 +31,7 @@ from olliefs.fs.nodes import (
     StaticDir,
     Text,
 )
+from olliefs.fs.profiles import ProfilesDir
 from olliefs.session.commands import help_text
 from olliefs.session.registry import CATALOGUE_MAX_AGE, NEW_TEMPLATE, Registry
 from olliefs.session.session import Session
@@ -317,6 +318,7 @@ def root(reg: Registry) -> Dir:
     stamps: dict[str, Stamp] = {}
     sessions = SessionsDir(reg, stamps)
     disk = disk_dirs(reg)  # made once: each folder keeps the nodes the kernel holds
+    profiles = ProfilesDir(reg.paths.config / "agents", shipped_dir() / "profiles", reg.refused)
 
     def text(name: str, render: Callable[[], str]) -> Text:
         return Text((name,), render, stamp=root_stamp(stamps, name))
@@ -329,6 +331,7 @@ def root(reg: Registry) -> Dir:
             "err": text("err", lambda: reg.last_error + ("\n" if reg.last_error else "")),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,
+            "a": profiles,
             **disk,
         },
         born=STARTED,

@@ -153,6 +153,8 @@ def _cwd(s: Session, arg: str, p: Pending) -> Apply:
 def _tool_load(s: Session, arg: str, p: Pending) -> Apply:
     if arg not in p.known_tools:
         raise InvalidRequest(f"tool_load: unknown tool: {arg}")
+    if not s.agent.permits(arg):
+        raise InvalidRequest(f"tool_load: {arg} is not permitted for this agent (allowTools)")
     if arg in p.tools:
         return lambda: None
     p.tools.append(arg)
@@ -172,6 +174,12 @@ def _tool_unload(s: Session, arg: str, p: Pending) -> Apply:
 @command("models", "none", "list the backend's models again (the models file)")
 def _models(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.host.models_command(s)
+
+
+@command("agent", "one", "switch to a profile: fresh tools, cleared history", while_running=False)
+def _agent(s: Session, arg: str, p: Pending) -> Apply:
+    s.host.check_agent(arg)
+    return lambda: s.switch_agent(arg)
 
 
 @command("clear", "none", "forget the conversation (chat keeps it)", while_running=False)

@@ -16,9 +16,12 @@ import msgspec
 import trio
 
 from olliefs.agent.agent import Services
+from olliefs.agent.build import Runtime, build_runtime
 from olliefs.agent.config import Cfg, resolve_cwd
 from olliefs.agent.events import Event, encode_line
+from olliefs.agent.profile import load_profile, profile_path
 from olliefs.agent.runtime import ToolLink
+from olliefs.agent.shell import base_env
 from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
@@ -106,6 +109,23 @@ class Registry:
         except ValueError as err:
             log.info("context length of %s/%s unknown (%s)", backend, model, err)
             return self.default_context_length
+
+    def profile_dirs(self) -> list[Path]:
+        return [self.paths.config / "agents", shipped_dir() / "profiles"]
+
+    async def build_runtime(self, name: str, cwd: str, env: Mapping[str, str]) -> Runtime:
+        """A profile loaded and built (its prompt commands run in ``cwd``)."""
+        dirs = self.profile_dirs()
+        profile = await trio.to_thread.run_sync(load_profile, name, dirs)
+        path = profile_path(name, dirs)
+        return await build_runtime(
+            profile,
+            name=name,
+            cwd=cwd,
+            env=base_env() | dict(env),
+            profile_dir=path.parent,
+            prompt_dirs=[self.paths.config / "prompts", shipped_dir() / "prompts"],
+        )
 
     async def fresh_context(self, s: Session) -> None:
         """``ctxsz`` shows the real context length from its first read on."""

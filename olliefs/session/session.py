@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import trio
 
 from olliefs.agent.agent import Agent, Services
+from olliefs.agent.build import Runtime
 from olliefs.agent.chat import ChatRenderer
 from olliefs.agent.config import KEYS, PARAM_KEYS, Cfg, parse_param, resolve_cwd
 from olliefs.agent.events import Event, EventRole, encode_line
@@ -84,6 +85,8 @@ class SessionHost(Protocol):
 
     async def models_command(self, s: Session) -> None: ...
 
+    async def build_runtime(self, name: str, cwd: str, env: Mapping[str, str]) -> Runtime: ...
+
     def kill(self, s: Session) -> Awaitable[None] | None: ...
 
     def known_tools(self, s: Session) -> set[str]: ...
@@ -126,6 +129,7 @@ class Session:
         self._running_seq: int | None = None
         self._turn_scope: trio.CancelScope | None = None
         self._scope = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
         self.closed = False
         self._replaying = False
         # History index where each turn began (its prompt), for ``rewind``.
@@ -294,6 +298,7 @@ class Session:
         """The session's life: run queued prompts one at a time until it is killed."""
         with self._scope:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
                 try:
                     while True:
@@ -476,7 +481,55 @@ class Session:
         if self.running:
             raise Busy(f"cfg {key}: refused while a turn is running (ctl stop first)")
         draft[0] = draft[0].with_values({key: new})
+        if key == "agent":
+            return lambda: self.switch_agent(new)
         return lambda: self.set_cfg({key: new})
+
+    async def switch_agent(self, name: str) -> None:
+        """``ctl agent``/``cfg agent=``: the seed's switch — the profile loaded and built
+        (prompt commands run), a fresh toolsrv attach with its tools, backend and model
+        from it where it sets them, the history cleared; same session and directory.
+        Nothing changes if the profile cannot be built."""
+        try:
+            rt = await self.host.build_runtime(name, self.cwd, self.agent.tool_env())
+        except InvalidRequest as err:
+            self.refused(f"agent {name}: {err}")
+            raise
+        values: dict[str, Any] = {"agent": name}
+        if rt.backend:
+            values["backend"] = rt.backend
+        if rt.model:
+            values["model"] = rt.model
+        for key, v in (
+            ("maxTokens", rt.params.max_tokens),
+            ("temperature", rt.params.temperature),
+            ("frequencyPenalty", rt.params.frequency_penalty),
+            ("presencePenalty", rt.params.presence_penalty),
+        ):
+            values[key] = v
+        self.set_cfg(values, announce=False)
+        old = self.agent.link
+        link = ToolLink(self.host.toolsrv, self.uid, list(rt.tools))
+        link.on_dropped = self._tool_dropped
+        if self._nursery is not None:
+            link.bind(self._nursery)
+        old.close()
+        self.agent.link = link
+        self.record(persist.Tools(list(rt.tools)))
+        self.agent.allow_tools = rt.allow_tools
+        self.agent.prompt = rt.prompt
+        if rt.max_steps:
+            self.record(persist.MaxSteps(rt.max_steps))
+            self.agent.max_steps = rt.max_steps
+        self.record(persist.Clear())
+        self.agent.history.clear()
+        self.turn_starts.clear()
+        self.emit("info", f"agent {name}: tools {', '.join(rt.tools) or 'none'}; history cleared")
+        for note in rt.notes:
+            self.emit("info", note)
+        await self.sync()
+        for prompt in rt.user_prompts:
+            await self.submit(prompt)
 
     def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
         self.record(persist.Cfg(dict(values)))

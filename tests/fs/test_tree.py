@@ -44,7 +44,22 @@ SESSION_FILES = {
 
 
 def test_root(daemon: Daemon) -> None:
-    root = ["backends", "err", "events", "help", "m", "p", "s", "sk", "t", "tmp", "tr", "u", "x"]
+    root = [
+        "a",
+        "backends",
+        "err",
+        "events",
+        "help",
+        "m",
+        "p",
+        "s",
+        "sk",
+        "t",
+        "tmp",
+        "tr",
+        "u",
+        "x",
+    ]
     assert sorted(os.listdir(daemon.path)) == root
     assert daemon.read("backends").split("\n")[0].split("\t")[0] == "openai"
     assert "s/new" in daemon.read("help")
