@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -36,11 +36,20 @@ from olliefs.agent.config import Cfg
 from olliefs.agent.dispatch import tool_env
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History
+from olliefs.agent.hooks import (
+    HOOK_TIMEOUT,
+    HookEvent,
+    HookFailure,
+    HookResult,
+    hook_payload,
+    run_hook,
+)
 from olliefs.agent.loop import run_turn
 from olliefs.agent.profile import permits
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink, preamble
 from olliefs.agent.safety import Action, Safety
+from olliefs.agent.shell import base_env
 from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
 from olliefs.backend.base import Backend, GenerationParams, Message, Usage
 from toolsrv.protocol import ToolMeta
@@ -114,6 +123,9 @@ class Agent:
         self.tool_calls = 0  # tcct: the session's tool calls so far
         self.allow_tools: tuple[str, ...] | None = None  # the profile's allowTools
         self.prompt: str | None = None  # the profile's resolved prompt, once built
+        self.hooks: dict[str, list[str]] = {}  # event -> shell commands (the profile's)
+        self.hook_failure: HookFailure = "warn"
+        self.hook_timeout = HOOK_TIMEOUT
         self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
 
     # ---- the turn host --------------------------------------------------------------
@@ -170,6 +182,37 @@ class Agent:
             )
         return None
 
+    async def hook(self, event: HookEvent, **fields: Any) -> HookResult | None:
+        """Run the profile's commands for ``event`` (None when it has none); warnings
+        become chat lines, the caller acts on ``blocked`` and ``context``."""
+        cmds = self.hooks.get(event)
+        if not cmds:
+            return None
+        c = self.cfg
+        payload = hook_payload(
+            event,
+            session_id=self.host.id,
+            agent=c.agent,
+            cwd=c.cwd,
+            backend=c.backend,
+            model=c.model,
+            **fields,
+        )
+        result = await run_hook(
+            event,
+            cmds,
+            payload,
+            cwd=c.cwd,
+            env=base_env() | dict(self.tool_env()),
+            timeout=self.hook_timeout,
+            failure=self.hook_failure,
+        )
+        for w in result.warnings:
+            self.emit("info", f"hook {event}: {w}")
+        if result.blocked:
+            self.emit("error", f"blocked by the {event} hook: {result.reason or '(no reason)'}")
+        return result
+
     def permits(self, tool: str) -> bool:
         return permits(self.allow_tools, tool)
 
@@ -195,6 +238,9 @@ class Agent:
         """Compaction that loses nothing: the whole history goes to
         ``compactions/<n>/`` (fsync'd) before the compacted one replaces it; a failed or
         malformed answer keeps the old history and says why in chat."""
+        pre = await self.hook("preCompact", trigger="auto" if not focus else "ctl", focus=focus)
+        if pre is not None and pre.blocked:
+            return False
         self.set_state("compacting")
         self.emit("info", "compacting" + (f" (focus: {focus})" if focus else ""))
         try:
@@ -216,6 +262,13 @@ class Agent:
         self.emit(
             "info",
             f"compacted {len(p.before)} messages into {len(r.messages)} (compactions/{n})",
+        )
+        await self.hook(
+            "postCompact",
+            trigger="auto" if not focus else "ctl",
+            compaction=n,
+            messages_before=len(p.before),
+            messages_after=len(r.messages),
         )
         return True
 

@@ -14,7 +14,7 @@ If toolsrv cannot be reached the turn goes on (the refresh says so with an error
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -25,6 +25,7 @@ from olliefs.agent.cost import request_cost
 from olliefs.agent.dispatch import ToolHost, run_tools
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History, estimate_tokens
+from olliefs.agent.hooks import HookEvent, HookResult
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.safety import Abort, Action, Nudge, Reinject
 from olliefs.backend.base import (
@@ -87,6 +88,10 @@ class TurnHost(ToolHost, Protocol):
         """After a tool round: TaskState inferred, what the safety table says to do."""
         ...
 
+    async def hook(self, event: HookEvent, **fields: Any) -> HookResult | None:
+        """Run the profile's hook commands for ``event`` (None: it has none)."""
+        ...
+
     async def compact_if_needed(self, *, overflow: bool = False) -> bool:
         """Compact when the context is half full (or the provider said it overflowed);
         True if the history was compacted."""
@@ -105,8 +110,22 @@ SUMMARY_PROMPT = (
 
 async def run_turn(host: TurnHost, prompt: str) -> None:
     host.set_state("thinking")
+    pre = await host.hook("preTurn", prompt=prompt)
+    if pre is not None and pre.blocked:
+        return  # the prompt never reaches the model (the reason is in chat)
     host.turn_started(prompt)
     host.add_message(Message("user", prompt))
+    if pre is not None and pre.context.strip():
+        host.add_message(Message("user", f"[preTurn hook]\n{pre.context.strip()}"))
+    try:
+        await _steps(host)
+    finally:
+        with trio.CancelScope(shield=True):
+            last = next((m for m in reversed(host.history.messages) if m.role == "assistant"), None)
+            await host.hook("postTurn", prompt=prompt, reply=last.content if last else "")
+
+
+async def _steps(host: TurnHost) -> None:
     cache = ReadCache()
     await refresh_tools(host)
     for _ in range(host.max_steps):
@@ -202,6 +221,12 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                 host.add_message(Message("assistant", "".join(text), "".join(reasoning)))
             raise
         except BackendError as err:
+            if attempt == 0:
+                handled = await host.hook(
+                    "turnError", error=str(err), error_type=type(err).__name__, attempt=attempt
+                )
+                if handled is not None and handled.ok:
+                    raise TurnEnded(f"{err} (handled by the turnError hook)") from None
             delay = host.retry.delay(err, attempt)
             if delay is None:
                 raise

@@ -518,6 +518,9 @@ class Session:
         self.record(persist.Tools(list(rt.tools)))
         self.agent.allow_tools = rt.allow_tools
         self.agent.prompt = rt.prompt
+        self.agent.hooks = dict(rt.hooks)
+        self.agent.hook_failure = rt.hook_failure
+        self.agent.hook_timeout = rt.hook_timeout
         if rt.max_steps:
             self.record(persist.MaxSteps(rt.max_steps))
             self.agent.max_steps = rt.max_steps
@@ -528,6 +531,11 @@ class Session:
         for note in rt.notes:
             self.emit("info", note)
         await self.sync()
+        spawn = await self.agent.hook(
+            "agentSpawn", parent=self.id.rpartition("__")[0], depth=self.id.count("__")
+        )
+        if spawn is not None and spawn.context.strip():
+            self.agent.add_message(Message("user", f"[agentSpawn hook]\n{spawn.context.strip()}"))
         for prompt in rt.user_prompts:
             await self.submit(prompt)
 

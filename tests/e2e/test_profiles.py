@@ -7,7 +7,7 @@ import json
 import os
 
 from olliefs.testing import Daemon
-from tests.conftest import oserror
+from tests.conftest import oserror, script
 
 MINE = {
     "prompt": "You are terse. Working in $OLLIE_CWD.",
@@ -53,3 +53,32 @@ def test_switching_agent_rebuilds_and_clears(daemon: Daemon) -> None:
     assert oserror(lambda: daemon.write(f"s/{sid}/ctl", "tool_load execute_code")) == errno.EINVAL
     assert "not permitted" in daemon.read(f"s/{sid}/err")
     assert oserror(lambda: daemon.write(f"s/{sid}/ctl", "agent nosuch")) == errno.EINVAL
+
+
+def test_hooks_block_add_context_and_run_in_order(daemon: Daemon) -> None:
+    log = daemon.work / "hook.log"
+    hooked = {
+        "tools": ["client_9p", "reasoning_think"],
+        "hooks": {
+            "preTurn": f"grep -q forbidden && {{ echo 'no forbidden prompts' >&2; exit 2; }}; "
+            f"echo turn >> {log}; echo 'remember: be brief'",
+            "preTool": "grep -Eq '\"thought\": ?\"bad\"' && { echo 'bad thought' >&2; exit 2; }; true",
+            "postTurn": f"echo post >> {log}",
+        },
+    }
+    put(daemon, "a/hooked.json", json.dumps(hooked))
+    sid = daemon.new(name="hk")
+    daemon.write(f"s/{sid}/ctl", "agent hooked")
+    daemon.prompt(sid, "something forbidden")
+    daemon.wait_idle(sid)
+    assert "blocked by the preTurn hook: no forbidden prompts" in daemon.read(f"s/{sid}/chat")
+    assert not daemon.replay.requests
+    think = {"name": "reasoning_think", "arguments": {"thought": "bad"}, "id": "c1"}
+    daemon.replay.add(script(json.dumps({"tool_calls": [think]}), '{"reply": "ok"}'))
+    daemon.prompt(sid, "fine")
+    daemon.wait_idle(sid)
+    msgs = daemon.replay.requests[0]["messages"]
+    assert any("remember: be brief" in str(m.get("content")) for m in msgs)
+    tool = [m for m in daemon.replay.requests[1]["messages"] if m["role"] == "tool"]
+    assert "blocked by the preTool hook: bad thought" in tool[0]["content"]
+    assert log.read_text().split() == ["turn", "post"]
