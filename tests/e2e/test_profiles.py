@@ -62,7 +62,8 @@ def test_hooks_block_add_context_and_run_in_order(daemon: Daemon) -> None:
         "hooks": {
             "preTurn": f"grep -q forbidden && {{ echo 'no forbidden prompts' >&2; exit 2; }}; "
             f"echo turn >> {log}; echo 'remember: be brief'",
-            "preTool": "grep -Eq '\"thought\": ?\"bad\"' && { echo 'bad thought' >&2; exit 2; }; true",
+            "preTool": 'grep -Eq \'"thought": ?"bad"\' && '
+            "{ echo 'bad thought' >&2; exit 2; }; true",
             "postTurn": f"echo post >> {log}",
         },
     }
