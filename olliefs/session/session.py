@@ -300,6 +300,7 @@ class Session:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
+                await self._build_current()
                 try:
                     while True:
                         while not self.queue:
@@ -516,11 +517,7 @@ class Session:
         old.close()
         self.agent.link = link
         self.record(persist.Tools(list(rt.tools)))
-        self.agent.allow_tools = rt.allow_tools
-        self.agent.prompt = rt.prompt
-        self.agent.hooks = dict(rt.hooks)
-        self.agent.hook_failure = rt.hook_failure
-        self.agent.hook_timeout = rt.hook_timeout
+        self._adopt(rt)
         if rt.max_steps:
             self.record(persist.MaxSteps(rt.max_steps))
             self.agent.max_steps = rt.max_steps
@@ -538,6 +535,25 @@ class Session:
             self.agent.add_message(Message("user", f"[agentSpawn hook]\n{spawn.context.strip()}"))
         for prompt in rt.user_prompts:
             await self.submit(prompt)
+
+    def _adopt(self, rt: Runtime) -> None:
+        """What of a built profile lives only in memory: rebuilt at every start."""
+        self.agent.allow_tools = rt.allow_tools
+        self.agent.prompt = rt.prompt
+        self.agent.hooks = dict(rt.hooks)
+        self.agent.hook_failure = rt.hook_failure
+        self.agent.hook_timeout = rt.hook_timeout
+
+    async def _build_current(self) -> None:
+        """At the session's start (new or restored): its profile's prompt, hooks and
+        allowTools. The tools and the history come from the journal, not from here."""
+        name = self.cfg.agent
+        try:
+            rt = await self.host.build_runtime(name, self.cwd, self.agent.tool_env())
+        except InvalidRequest as err:
+            self.error(f"agent {name}: {err} (running without its prompt and hooks)")
+            return
+        self._adopt(rt)
 
     def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
         self.record(persist.Cfg(dict(values)))
