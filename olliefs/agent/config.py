@@ -24,6 +24,7 @@ from olliefs.errors import InvalidRequest
 MaxTokens = Annotated[int, msgspec.Meta(gt=0, le=10_000_000)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+Budget = Annotated[int, msgspec.Meta(ge=0, le=10_000_000)]
 
 
 class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -35,6 +36,7 @@ class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     temperature: Temperature | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
+    thinking_budget: Budget | None = None
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -42,6 +44,7 @@ class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
             temperature=self.temperature,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
+            thinking_budget=self.thinking_budget,
         )
 
     def values(self) -> dict[str, Any]:
@@ -68,13 +71,14 @@ class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 # Keys as ``cfg`` shows them, in order; the generation parameters may be empty (unset).
 KEYS = ("state", "backend", "model", "agent", "cwd", "maxTokens", "temperature",
-        "frequencyPenalty", "presencePenalty")  # fmt: skip
+        "frequencyPenalty", "presencePenalty", "thinkingBudget")  # fmt: skip
 PARAM_KEYS = KEYS[5:]
 _FIELD_TYPES = {
     "maxTokens": MaxTokens | None,
     "temperature": Temperature | None,
     "frequencyPenalty": Penalty | None,
     "presencePenalty": Penalty | None,
+    "thinkingBudget": Budget | None,
 }
 
 

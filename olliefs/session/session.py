@@ -506,6 +506,7 @@ class Session:
             ("temperature", rt.params.temperature),
             ("frequencyPenalty", rt.params.frequency_penalty),
             ("presencePenalty", rt.params.presence_penalty),
+            ("thinkingBudget", rt.thinking_budget),
         ):
             values[key] = v
         self.set_cfg(values, announce=False)
