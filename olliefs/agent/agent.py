@@ -19,17 +19,38 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
+import trio
 
+from olliefs.agent.compact import (
+    CompactionFailed,
+    next_snapshot_number,
+    should_compact,
+    write_snapshot,
+)
+from olliefs.agent.compact import compact as run_compaction
+from olliefs.agent.compact import plan as plan_compaction
 from olliefs.agent.config import Cfg
 from olliefs.agent.dispatch import tool_env
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History
+from olliefs.agent.hooks import (
+    HOOK_TIMEOUT,
+    HookEvent,
+    HookFailure,
+    HookResult,
+    hook_payload,
+    run_hook,
+)
 from olliefs.agent.loop import run_turn
+from olliefs.agent.profile import permits
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink, preamble
+from olliefs.agent.safety import Action, Safety
+from olliefs.agent.shell import base_env
+from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
 from olliefs.backend.base import Backend, GenerationParams, Message, Usage
 from toolsrv.protocol import ToolMeta
 
@@ -53,6 +74,13 @@ class AgentHost(Protocol):
     def usage_added(self, usage: Usage, cost: float, estimated: bool) -> None: ...
 
     async def checkpoint(self) -> None: ...
+
+    @property
+    def plan(self) -> str: ...
+
+    def compactions_dir(self) -> Path: ...
+
+    def history_replaced(self, messages: list[Message], n: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +118,14 @@ class Agent:
         self.context_length = context_length
         self.turn_cost = 0.0
         self.injection: str | None = None  # ctl inject / irw, taken at the next step
+        self.taskstate = TaskState()
+        self.safety = Safety()
+        self.tool_calls = 0  # tcct: the session's tool calls so far
+        self.allow_tools: tuple[str, ...] | None = None  # the profile's allowTools
+        self.prompt: str | None = None  # the profile's resolved prompt, once built
+        self.hooks: dict[str, list[str]] = {}  # event -> shell commands (the profile's)
+        self.hook_failure: HookFailure = "warn"
+        self.hook_timeout = HOOK_TIMEOUT
         self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
 
     # ---- the turn host --------------------------------------------------------------
@@ -146,6 +182,99 @@ class Agent:
             )
         return None
 
+    async def hook(self, event: HookEvent, **fields: Any) -> HookResult | None:
+        """Run the profile's commands for ``event`` (None when it has none); warnings
+        become chat lines, the caller acts on ``blocked`` and ``context``."""
+        cmds = self.hooks.get(event)
+        if not cmds:
+            return None
+        c = self.cfg
+        payload = hook_payload(
+            event,
+            session_id=self.host.id,
+            agent=c.agent,
+            cwd=c.cwd,
+            backend=c.backend,
+            model=c.model,
+            **fields,
+        )
+        result = await run_hook(
+            event,
+            cmds,
+            payload,
+            cwd=c.cwd,
+            env=base_env() | dict(self.tool_env()),
+            timeout=self.hook_timeout,
+            failure=self.hook_failure,
+        )
+        for w in result.warnings:
+            self.emit("info", f"hook {event}: {w}")
+        if result.blocked:
+            self.emit("error", f"blocked by the {event} hook: {result.reason or '(no reason)'}")
+        return result
+
+    def permits(self, tool: str) -> bool:
+        return permits(self.allow_tools, tool)
+
+    def turn_started(self, prompt: str) -> None:
+        self.taskstate = start_turn(self.taskstate, prompt)
+        self.safety.start_turn()
+
+    def after_round(self) -> list[Action]:
+        rnd = last_round(self.history.messages)
+        if rnd is None:
+            return []
+        self.tool_calls += len(rnd.reply.tool_calls)
+        self.taskstate = infer(self.taskstate, rnd, self.host.plan)
+        return self.safety.after_round(self.taskstate, failed=rnd.failed, planned=rnd.planned)
+
+    async def compact_if_needed(self, *, overflow: bool = False) -> bool:
+        est = self.history.totals.last_context_tokens or self.history.estimate()
+        if not overflow and not should_compact(est, self.context_length):
+            return False
+        return await self.compact("")
+
+    async def compact(self, focus: str) -> bool:
+        """Compaction that loses nothing: the whole history goes to
+        ``compactions/<n>/`` (fsync'd) before the compacted one replaces it; a failed or
+        malformed answer keeps the old history and says why in chat."""
+        pre = await self.hook("preCompact", trigger="auto" if not focus else "ctl", focus=focus)
+        if pre is not None and pre.blocked:
+            return False
+        self.set_state("compacting")
+        self.emit("info", "compacting" + (f" (focus: {focus})" if focus else ""))
+        try:
+            p = plan_compaction(
+                self.history.messages, self.taskstate, focus, max_chars=self.context_length * 2
+            )
+            r = await run_compaction(self.backend(), self.cfg.model, p, self.params())
+            where = self.host.compactions_dir()
+            n = next_snapshot_number(where)
+            await trio.to_thread.run_sync(write_snapshot, where, n, p.before, r.summary, r.dropped)
+        except (CompactionFailed, OSError) as err:
+            self.emit("error", f"compaction failed, history kept: {err}")
+            return False
+        finally:
+            self.set_state("thinking")
+        self.history.replace(r.messages)
+        self.taskstate = r.state
+        self.host.history_replaced(r.messages, n)
+        self.emit(
+            "info",
+            f"compacted {len(p.before)} messages into {len(r.messages)} (compactions/{n})",
+        )
+        await self.hook(
+            "postCompact",
+            trigger="auto" if not focus else "ctl",
+            compaction=n,
+            messages_before=len(p.before),
+            messages_after=len(r.messages),
+        )
+        return True
+
+    def taskstate_text(self) -> str:
+        return to_json(self.taskstate)
+
     def tool_env(self) -> Mapping[str, str]:
         return tool_env(
             mountpoint=self.services.mountpoint,
@@ -168,7 +297,11 @@ class Agent:
         return preamble(
             session_id=self.host.id,
             cwd=self.cfg.cwd,
-            profile_prompt=self.services.profile_prompt(self.cfg.agent),
+            profile_prompt=(
+                self.prompt
+                if self.prompt is not None
+                else self.services.profile_prompt(self.cfg.agent)
+            ),
             link=self.link,
         )
 

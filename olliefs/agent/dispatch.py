@@ -33,6 +33,7 @@ import trio
 
 from olliefs.agent.cache import ReadCache, fingerprint
 from olliefs.agent.events import EventRole
+from olliefs.agent.hooks import HookEvent, HookResult
 from olliefs.agent.runtime import ToolLink
 from olliefs.backend.base import Message, ToolCall
 from olliefs.toolclient.client import ToolsrvError
@@ -51,6 +52,12 @@ class ToolHost(Protocol):
     def cwd(self) -> str: ...
 
     def tool_env(self) -> Mapping[str, str]: ...
+
+    def permits(self, tool: str) -> bool:
+        """allowTools of the agent's profile: a call outside it never reaches toolsrv."""
+        ...
+
+    async def hook(self, event: HookEvent, **fields: Any) -> HookResult | None: ...
 
     def results_dir(self) -> Path: ...
 
@@ -162,6 +169,9 @@ def _release(rnd: Round, force: bool = False) -> None:
 async def _run_one(rnd: Round, i: int) -> None:
     host, o = rnd.host, rnd.outcomes[i]
     name = o.call.name
+    if not host.permits(name):
+        o.text, o.error = f"{name}: not permitted for this agent (its profile's allowTools)", True
+        return
     meta = host.link.metas.get(name)
     if meta is None:
         loaded = ", ".join(host.link.wanted) or "none"
@@ -177,6 +187,20 @@ async def _run_one(rnd: Round, i: int) -> None:
     except msgspec.DecodeError as err:
         o.text, o.error = f"arguments are not a JSON object: {err}", True
         return
+    pre = await host.hook("preTool", tool=name, args=args, call_id=o.call.id)
+    if pre is not None and pre.blocked:
+        o.text, o.error = f"blocked by the preTool hook: {pre.reason or '(no reason)'}", True
+        return
+    await _call(rnd, o, name, args)
+    post = await host.hook(
+        "postTool", tool=name, args=args, call_id=o.call.id, result=o.text, is_error=o.error
+    )
+    if post is not None and post.context.strip() and o.text is not None:
+        o.text += f"\n[postTool hook]\n{post.context.strip()}"
+
+
+async def _call(rnd: Round, o: Outcome, name: str, args: dict[str, Any]) -> None:
+    host = rnd.host
     cached = ReadCache.key(name, args, host.cwd)
     if cached is not None:
         hit = rnd.cache.get(*cached)

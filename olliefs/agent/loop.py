@@ -14,7 +14,7 @@ If toolsrv cannot be reached the turn goes on (the refresh says so with an error
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -25,10 +25,13 @@ from olliefs.agent.cost import request_cost
 from olliefs.agent.dispatch import ToolHost, run_tools
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History, estimate_tokens
+from olliefs.agent.hooks import HookEvent, HookResult
 from olliefs.agent.retry import RetryPolicy
+from olliefs.agent.safety import Abort, Action, Nudge, Reinject
 from olliefs.backend.base import (
     Backend,
     BackendError,
+    ContextOverflowError,
     GenerationParams,
     Message,
     ProviderData,
@@ -77,6 +80,23 @@ class TurnHost(ToolHost, Protocol):
         """Why the turn must end now (a cost cap reached), or None."""
         ...
 
+    def turn_started(self, prompt: str) -> None:
+        """A new turn: TaskState's goal, the safety counters reset."""
+        ...
+
+    def after_round(self) -> list[Action]:
+        """After a tool round: TaskState inferred, what the safety table says to do."""
+        ...
+
+    async def hook(self, event: HookEvent, **fields: Any) -> HookResult | None:
+        """Run the profile's hook commands for ``event`` (None: it has none)."""
+        ...
+
+    async def compact_if_needed(self, *, overflow: bool = False) -> bool:
+        """Compact when the context is half full (or the provider said it overflowed);
+        True if the history was compacted."""
+        ...
+
 
 class TurnEnded(Exception):
     """The turn ends early for a reason the user is told (``error:`` line)."""
@@ -90,17 +110,40 @@ SUMMARY_PROMPT = (
 
 async def run_turn(host: TurnHost, prompt: str) -> None:
     host.set_state("thinking")
+    pre = await host.hook("preTurn", prompt=prompt)
+    if pre is not None and pre.blocked:
+        return  # the prompt never reaches the model (the reason is in chat)
+    host.turn_started(prompt)
     host.add_message(Message("user", prompt))
+    if pre is not None and pre.context.strip():
+        host.add_message(Message("user", f"[preTurn hook]\n{pre.context.strip()}"))
+    try:
+        await _steps(host)
+    finally:
+        with trio.CancelScope(shield=True):
+            last = next((m for m in reversed(host.history.messages) if m.role == "assistant"), None)
+            await host.hook("postTurn", prompt=prompt, reply=last.content if last else "")
+
+
+async def _steps(host: TurnHost) -> None:
     cache = ReadCache()
     await refresh_tools(host)
     for _ in range(host.max_steps):
-        reply = await stream_reply(host)
+        await host.compact_if_needed()
+        try:
+            reply = await stream_reply(host)
+        except ContextOverflowError:
+            # The provider says it does not fit: compact, then try once more.
+            if not await host.compact_if_needed(overflow=True):
+                raise
+            reply = await stream_reply(host)
         host.add_message(reply)
         if not reply.tool_calls and not _inject(host):
             return
         if reply.tool_calls:
             await run_tools(host, reply.tool_calls, cache)
             await refresh_tools(host)
+            _apply_safety(host, host.after_round())
             await host.checkpoint()
             _inject(host)
     host.emit("maxsteps", f"step limit of {host.max_steps} reached: asking for a summary")
@@ -109,6 +152,18 @@ async def run_turn(host: TurnHost, prompt: str) -> None:
     # No tool is run now: calls the model made anyway are dropped from its message, so
     # the history stays valid (every call answered).
     host.add_message(msgspec.structs.replace(final, tool_calls=()))
+
+
+def _apply_safety(host: TurnHost, actions: list[Action]) -> None:
+    """Nudges and re-injected plans become user messages of this turn; an abort ends it.
+    (The step limit is counted by the loop itself, so FinalSummary is not used here.)"""
+    for act in actions:
+        if isinstance(act, Abort):
+            raise TurnEnded(act.reason)
+        if isinstance(act, Nudge | Reinject):
+            what = act.kind if isinstance(act, Nudge) else "plan"
+            host.emit("info", f"safety: {what} nudge")
+            host.add_message(Message("user", act.text))
 
 
 def _inject(host: TurnHost) -> bool:
@@ -166,6 +221,12 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                 host.add_message(Message("assistant", "".join(text), "".join(reasoning)))
             raise
         except BackendError as err:
+            if attempt == 0:
+                handled = await host.hook(
+                    "turnError", error=str(err), error_type=type(err).__name__, attempt=attempt
+                )
+                if handled is not None and handled.ok:
+                    raise TurnEnded(f"{err} (handled by the turnError hook)") from None
             delay = host.retry.delay(err, attempt)
             if delay is None:
                 raise

@@ -144,8 +144,6 @@ class Backend(Protocol):
     """A provider. ``stream`` raises the typed errors below, never raw httpx errors."""
 
     name: str
-    #: The model a session gets when none is named (each provider has its own).
-    default_model: str
 
     def stream(
         self,
@@ -171,11 +169,19 @@ class Backend(Protocol):
         """Context window of ``model`` in tokens (cached; a default when unknown)."""
         ...
 
+    async def aclose(self) -> None: ...
+
+
+class ProviderBackend(Backend, Protocol):
+    """A provider's backend as the pool holds it: what the agent loop needs (``Backend``)
+    plus its own default model and caches that ``ctl models`` can drop."""
+
+    #: The model a session gets when none is named (each provider has its own).
+    default_model: str
+
     def forget(self) -> None:
         """Drop cached model lists and context lengths: the next call asks again."""
         ...
-
-    async def aclose(self) -> None: ...
 
 
 class BackendError(Exception):

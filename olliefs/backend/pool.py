@@ -36,7 +36,7 @@ from typing import TypeVar
 import trio
 
 from olliefs.backend.anthropic import AnthropicBackend
-from olliefs.backend.base import Backend, BackendError
+from olliefs.backend.base import BackendError, ProviderBackend
 from olliefs.backend.copilot import TOKEN_URL, CopilotBackend
 from olliefs.backend.gemini import GeminiBackend
 from olliefs.backend.kiro import API_URL as KIRO_URL
@@ -76,7 +76,7 @@ def _model(settings: Settings, name: str) -> str | None:
     return _first(settings, f"OLLIE_{name.upper()}_MODEL")
 
 
-def _openai(settings: Settings) -> Backend:
+def _openai(settings: Settings) -> ProviderBackend:
     return OpenAIBackend(
         "openai",
         settings.get("OLLIE_OPENAI_URL") or "https://api.openai.com/v1",
@@ -87,7 +87,7 @@ def _openai(settings: Settings) -> Backend:
     )
 
 
-def _anthropic(settings: Settings) -> Backend:
+def _anthropic(settings: Settings) -> ProviderBackend:
     return AnthropicBackend(
         "anthropic",
         settings.get("OLLIE_ANTHROPIC_URL") or "https://api.anthropic.com",
@@ -97,7 +97,7 @@ def _anthropic(settings: Settings) -> Backend:
     )
 
 
-def _ollama(settings: Settings) -> Backend:
+def _ollama(settings: Settings) -> ProviderBackend:
     num_ctx = settings.get("OLLIE_OLLAMA_NUM_CTX", "").strip()
     return OllamaBackend(
         "ollama",
@@ -109,7 +109,7 @@ def _ollama(settings: Settings) -> Backend:
     )
 
 
-def _gemini(settings: Settings) -> Backend:
+def _gemini(settings: Settings) -> ProviderBackend:
     return GeminiBackend(
         "gemini",
         settings.get("OLLIE_GEMINI_URL") or "https://generativelanguage.googleapis.com",
@@ -119,7 +119,7 @@ def _gemini(settings: Settings) -> Backend:
     )
 
 
-def _copilot(settings: Settings) -> Backend:
+def _copilot(settings: Settings) -> ProviderBackend:
     return CopilotBackend(
         "copilot",
         _first(settings, *KEYS["copilot"]),
@@ -130,7 +130,7 @@ def _copilot(settings: Settings) -> Backend:
     )
 
 
-def _kiro(settings: Settings) -> Backend:
+def _kiro(settings: Settings) -> ProviderBackend:
     return KiroBackend(
         "kiro",
         settings.get("OLLIE_KIRO_URL") or KIRO_URL,
@@ -143,7 +143,7 @@ def _kiro(settings: Settings) -> Backend:
     )
 
 
-_FACTORIES: dict[str, Callable[[Settings], Backend]] = {
+_FACTORIES: dict[str, Callable[[Settings], ProviderBackend]] = {
     "openai": _openai,
     "anthropic": _anthropic,
     "ollama": _ollama,
@@ -167,7 +167,7 @@ def backend_names() -> list[str]:
     return list(_FACTORIES)
 
 
-def make_backend(name: str, settings: Settings) -> Backend:
+def make_backend(name: str, settings: Settings) -> ProviderBackend:
     """A new backend from settings; ValueError for an unknown name or a bad setting."""
     try:
         factory = _FACTORIES[name]
@@ -196,11 +196,11 @@ class Pool:
     def __init__(
         self,
         settings: Settings,
-        factory: Callable[[str, Settings], Backend] = make_backend,
+        factory: Callable[[str, Settings], ProviderBackend] = make_backend,
     ) -> None:
         self._settings = dict(settings)
         self._factory = factory
-        self._backends: dict[str, Backend] = {}
+        self._backends: dict[str, ProviderBackend] = {}
         # One lock per backend: sessions asking the same thing at once share one request.
         self._locks: dict[str, trio.Lock] = {}
 
@@ -212,7 +212,7 @@ class Pool:
         if name not in _FACTORIES:
             raise ValueError(f"unknown backend {name!r} (known: {', '.join(backend_names())})")
 
-    def get(self, name: str) -> Backend:
+    def get(self, name: str) -> ProviderBackend:
         """The backend called ``name``, created on first use (ValueError: unknown or badly
         configured)."""
         if name not in self._backends:

@@ -31,6 +31,7 @@ from olliefs.fs.nodes import (
     StaticDir,
     Text,
 )
+from olliefs.fs.profiles import ProfilesDir
 from olliefs.session.commands import help_text
 from olliefs.session.registry import CATALOGUE_MAX_AGE, NEW_TEMPLATE, Registry
 from olliefs.session.session import Session
@@ -91,7 +92,8 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
         "usage": text("usage", a.history.totals.usage_text),
         "cost": text("cost", lambda: reg.cost_text(s)),
-        "ctxsz": text("ctxsz", a.ctxsz_text),
+        "ctxsz": text("ctxsz", a.ctxsz_text, lambda: reg.fresh_context(s)),
+        "models": text("models", lambda: s.models_text, lambda: reg.fresh_models(s)),
         "context": text("context", a.context_text),
         "env": text("env", s.env_text),
         "tools": text("tools", a.tools_text, fresh),
@@ -99,6 +101,9 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "tail": Script(("s", u, "tail"), s.tail_script, live, stamp=stamp("tail")),
         "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
         "peer": PeerDir(reg, s),
+        "compactions": DiskDir(("s", u, "compactions"), s.compactions_dir(), "ignore"),
+        "taskstate": text("taskstate", a.taskstate_text),
+        "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
     }
 
 
@@ -313,6 +318,7 @@ def root(reg: Registry) -> Dir:
     stamps: dict[str, Stamp] = {}
     sessions = SessionsDir(reg, stamps)
     disk = disk_dirs(reg)  # made once: each folder keeps the nodes the kernel holds
+    profiles = ProfilesDir(reg.paths.config / "agents", shipped_dir() / "profiles", reg.refused)
 
     def text(name: str, render: Callable[[], str]) -> Text:
         return Text((name,), render, stamp=root_stamp(stamps, name))
@@ -325,6 +331,7 @@ def root(reg: Registry) -> Dir:
             "err": text("err", lambda: reg.last_error + ("\n" if reg.last_error else "")),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,
+            "a": profiles,
             **disk,
         },
         born=STARTED,

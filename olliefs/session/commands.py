@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # An action; one that has more to do off the serving thread (an fsync, a file move)
 # returns what the write then awaits before it returns.
 Apply = Callable[[], Awaitable[None] | None]
-Arity = Literal["none", "one", "maybe", "rest"]
+Arity = Literal["none", "one", "maybe", "rest", "any"]
 
 
 @dataclass
@@ -153,6 +153,8 @@ def _cwd(s: Session, arg: str, p: Pending) -> Apply:
 def _tool_load(s: Session, arg: str, p: Pending) -> Apply:
     if arg not in p.known_tools:
         raise InvalidRequest(f"tool_load: unknown tool: {arg}")
+    if not s.agent.permits(arg):
+        raise InvalidRequest(f"tool_load: {arg} is not permitted for this agent (allowTools)")
     if arg in p.tools:
         return lambda: None
     p.tools.append(arg)
@@ -167,6 +169,17 @@ def _tool_unload(s: Session, arg: str, p: Pending) -> Apply:
     p.tools.remove(arg)
     names = list(p.tools)
     return lambda: s.set_tools(names, f"tool {arg} unloaded")
+
+
+@command("models", "none", "list the backend's models again (the models file)")
+def _models(s: Session, arg: str, p: Pending) -> Apply:
+    return lambda: s.host.models_command(s)
+
+
+@command("agent", "one", "switch to a profile: fresh tools, cleared history", while_running=False)
+def _agent(s: Session, arg: str, p: Pending) -> Apply:
+    s.host.check_agent(arg)
+    return lambda: s.switch_agent(arg)
 
 
 @command("clear", "none", "forget the conversation (chat keeps it)", while_running=False)
@@ -225,6 +238,12 @@ def _rewind(s: Session, arg: str, p: Pending) -> Apply:
     if s.turns() == 0:
         raise InvalidRequest("rewind: no turn to drop")
     return lambda: s.host.rewind(s, n)
+
+
+@command("compact", "any", "compact [focus]: summarize the history (the whole of it is kept)",
+         while_running=False)  # fmt: skip
+def _compact(s: Session, arg: str, p: Pending) -> Apply:
+    return lambda: s.compact(arg)
 
 
 def _count(name: str, arg: str, low: int, high: int) -> int:

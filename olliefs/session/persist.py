@@ -110,6 +110,13 @@ class Plan(msgspec.Struct, tag="plan"):
     text: str
 
 
+class Replaced(msgspec.Struct, tag="replaced"):
+    """A compaction replaced the history (the old one is in ``compactions/<n>/``)."""
+
+    messages: list[Message]
+    n: int
+
+
 Record = (
     Create
     | Prompt
@@ -127,6 +134,7 @@ Record = (
     | MaxSteps
     | Rewind
     | Plan
+    | Replaced
 )
 
 _encoder = msgspec.json.Encoder()

@@ -16,9 +16,12 @@ import msgspec
 import trio
 
 from olliefs.agent.agent import Services
+from olliefs.agent.build import Runtime, build_runtime
 from olliefs.agent.config import Cfg, resolve_cwd
 from olliefs.agent.events import Event, encode_line
+from olliefs.agent.profile import load_profile, profile_path
 from olliefs.agent.runtime import ToolLink
+from olliefs.agent.shell import base_env
 from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
@@ -69,11 +72,9 @@ class Registry:
         self.logs_dir = paths.state / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.events = GrowingLog(self.logs_dir / "events")
-        self._backends: dict[str, Backend] = {}
-        self._ctxlen: dict[tuple[str, str], int] = {}
+        self.pool = pool.Pool(self.settings)
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
-        self.default_model = settings.get("OLLIE_MODEL") or DEFAULT_MODEL
         self.toolsrv = Toolsrv(paths, self.settings, nursery)
         # What toolsrv serves (t/idx, tool metadata, tool_load names), read over the
         # daemon's own attach, so a remote toolsrv is listed as it really is.
@@ -97,19 +98,61 @@ class Registry:
         return pool.backend_names()
 
     def backend(self, name: str) -> Backend:
-        if name not in self._backends:
-            self._backends[name] = pool.make_backend(name, self.settings)
-        return self._backends[name]
+        try:
+            return self.pool.get(name)
+        except ValueError as err:
+            raise InvalidRequest(str(err)) from None
 
     async def context_length(self, backend: str, model: str) -> int:
-        key = (backend, model)
-        if key not in self._ctxlen:
-            try:
-                self._ctxlen[key] = await self.backend(backend).context_length(model)
-            except BackendError as err:
-                log.info("context length of %s unknown (%s); using the default", key, err)
-                self._ctxlen[key] = self.default_context_length
-        return self._ctxlen[key]
+        try:
+            return await self.pool.context_length(backend, model)
+        except ValueError as err:
+            log.info("context length of %s/%s unknown (%s)", backend, model, err)
+            return self.default_context_length
+
+    def profile_dirs(self) -> list[Path]:
+        return [self.paths.config / "agents", shipped_dir() / "profiles"]
+
+    async def build_runtime(self, name: str, cwd: str, env: Mapping[str, str]) -> Runtime:
+        """A profile loaded and built (its prompt commands run in ``cwd``)."""
+        dirs = self.profile_dirs()
+        profile = await trio.to_thread.run_sync(load_profile, name, dirs)
+        path = profile_path(name, dirs)
+        return await build_runtime(
+            profile,
+            name=name,
+            cwd=cwd,
+            env=base_env() | dict(env),
+            profile_dir=path.parent,
+            prompt_dirs=[self.paths.config / "prompts", shipped_dir() / "prompts"],
+        )
+
+    async def fresh_context(self, s: Session) -> None:
+        """``ctxsz`` shows the real context length from its first read on."""
+        s.agent.context_length = await self.context_length(s.cfg.backend, s.cfg.model)
+
+    async def fresh_models(self, s: Session, *, refresh: bool = False) -> None:
+        """``models``: what the session's backend offers (cached by the pool)."""
+        name = s.cfg.backend
+        try:
+            got = await (self.pool.refresh(name) if refresh else self.pool.models(name))
+            s.models_text = "".join(f"{m}\n" for m in got)
+        except (BackendError, ValueError) as err:
+            s.models_text = f"error: {err}\n"
+
+    async def models_command(self, s: Session) -> None:
+        await self.fresh_models(s, refresh=True)
+        n = s.models_text.count("\n")
+        if s.models_text.startswith("error:"):
+            s.error(f"models: {s.models_text.strip()[len('error: ') :]}")
+        else:
+            s.emit("info", f"models refreshed: {n} from {s.cfg.backend}")
+
+    def _default_model(self, backend: str) -> str:
+        try:
+            return self.pool.default_model(backend)
+        except ValueError:
+            return DEFAULT_MODEL
 
     def check_backend(self, name: str) -> None:
         if name not in self.backend_names():
@@ -258,7 +301,7 @@ class Registry:
         return "".join(self.sessions[k].idx_line() for k in sorted(self.sessions))
 
     def backends_text(self) -> str:
-        return "".join(f"{n}\n" for n in self.backend_names())
+        return self.pool.backends_text()
 
     def get(self, sid: str) -> Session:
         try:
@@ -289,7 +332,10 @@ class Registry:
         self.check_backend(values["backend"])
         values.setdefault("agent", "default")
         self.check_agent(values["agent"])
-        values.setdefault("model", self.default_model)
+        if "model" not in values:
+            values["model"] = self.settings.get("OLLIE_MODEL") or self._default_model(
+                values["backend"]
+            )
         if "name" in values:
             self.check_new_name(values["name"])
         return values
@@ -366,6 +412,9 @@ class Registry:
 
         await trio.to_thread.run_sync(write)
         s.emit("info", f"saved to tr/{dest.name}")
+
+    def compactions_root(self) -> Path:
+        return self.paths.state / "compactions"
 
     def branches_dir(self, s: Session) -> Path:
         return self.paths.state / "branches" / s.uid
@@ -486,10 +535,8 @@ class Registry:
         self._tree_link.close()
         self.events.close()
         await self.toolsrv.aclose()
-        backends, self._backends = list(self._backends.values()), {}
         with trio.CancelScope(shield=True):
-            for b in backends:
-                await b.aclose()
+            await self.pool.aclose()
 
 
 def _int(value: str | None, default: int) -> int:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import trio
 
 from olliefs.agent.agent import Agent, Services
+from olliefs.agent.build import Runtime
 from olliefs.agent.chat import ChatRenderer
 from olliefs.agent.config import KEYS, PARAM_KEYS, Cfg, parse_param, resolve_cwd
 from olliefs.agent.events import Event, EventRole, encode_line
@@ -80,6 +81,12 @@ class SessionHost(Protocol):
 
     async def rewind(self, s: Session, n: int) -> None: ...
 
+    def compactions_root(self) -> Path: ...
+
+    async def models_command(self, s: Session) -> None: ...
+
+    async def build_runtime(self, name: str, cwd: str, env: Mapping[str, str]) -> Runtime: ...
+
     def kill(self, s: Session) -> Awaitable[None] | None: ...
 
     def known_tools(self, s: Session) -> set[str]: ...
@@ -122,6 +129,7 @@ class Session:
         self._running_seq: int | None = None
         self._turn_scope: trio.CancelScope | None = None
         self._scope = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
         self.closed = False
         self._replaying = False
         # History index where each turn began (its prompt), for ``rewind``.
@@ -129,6 +137,7 @@ class Session:
         self.branches = 0  # how many rewinds kept a branch
         self.last_error = ""  # the reason of the last refused write (the ``err`` file)
         self.plan = ""
+        self.models_text = ""  # the ``models`` file (filled from the backend pool)
         self.queued = trio.lowlevel.ParkingLot()  # fifo.out readers wait here
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
@@ -221,6 +230,23 @@ class Session:
         log.info("session %s: refused: %s", self.id, reason)
         self.error(reason)
 
+    def compactions_dir(self) -> Path:
+        return self.host.compactions_root() / self.uid
+
+    def history_replaced(self, messages: list[Message], n: int) -> None:
+        self.record(persist.Replaced(messages, n))
+        self.turn_starts = [0]  # the compacted history is one turn's start
+
+    async def compact(self, focus: str) -> None:
+        if self.running:
+            raise Busy("compact: refused while a turn is running")
+        self.set_state("compacting")
+        try:
+            await self.agent.compact(focus)
+        finally:
+            self.set_state("idle" if not self.queue else "thinking")
+        await self.sync()
+
     def set_plan(self, text: str) -> None:
         self.record(persist.Plan(text))
         self.plan = text
@@ -272,7 +298,9 @@ class Session:
         """The session's life: run queued prompts one at a time until it is killed."""
         with self._scope:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
+                await self._build_current()
                 try:
                     while True:
                         while not self.queue:
@@ -454,7 +482,78 @@ class Session:
         if self.running:
             raise Busy(f"cfg {key}: refused while a turn is running (ctl stop first)")
         draft[0] = draft[0].with_values({key: new})
+        if key == "agent":
+            return lambda: self.switch_agent(new)
         return lambda: self.set_cfg({key: new})
+
+    async def switch_agent(self, name: str) -> None:
+        """``ctl agent``/``cfg agent=``: the seed's switch — the profile loaded and built
+        (prompt commands run), a fresh toolsrv attach with its tools, backend and model
+        from it where it sets them, the history cleared; same session and directory.
+        Nothing changes if the profile cannot be built."""
+        try:
+            rt = await self.host.build_runtime(name, self.cwd, self.agent.tool_env())
+        except InvalidRequest as err:
+            self.refused(f"agent {name}: {err}")
+            raise
+        values: dict[str, Any] = {"agent": name}
+        if rt.backend:
+            values["backend"] = rt.backend
+        if rt.model:
+            values["model"] = rt.model
+        for key, v in (
+            ("maxTokens", rt.params.max_tokens),
+            ("temperature", rt.params.temperature),
+            ("frequencyPenalty", rt.params.frequency_penalty),
+            ("presencePenalty", rt.params.presence_penalty),
+        ):
+            values[key] = v
+        self.set_cfg(values, announce=False)
+        old = self.agent.link
+        link = ToolLink(self.host.toolsrv, self.uid, list(rt.tools))
+        link.on_dropped = self._tool_dropped
+        if self._nursery is not None:
+            link.bind(self._nursery)
+        old.close()
+        self.agent.link = link
+        self.record(persist.Tools(list(rt.tools)))
+        self._adopt(rt)
+        if rt.max_steps:
+            self.record(persist.MaxSteps(rt.max_steps))
+            self.agent.max_steps = rt.max_steps
+        self.record(persist.Clear())
+        self.agent.history.clear()
+        self.turn_starts.clear()
+        self.emit("info", f"agent {name}: tools {', '.join(rt.tools) or 'none'}; history cleared")
+        for note in rt.notes:
+            self.emit("info", note)
+        await self.sync()
+        spawn = await self.agent.hook(
+            "agentSpawn", parent=self.id.rpartition("__")[0], depth=self.id.count("__")
+        )
+        if spawn is not None and spawn.context.strip():
+            self.agent.add_message(Message("user", f"[agentSpawn hook]\n{spawn.context.strip()}"))
+        for prompt in rt.user_prompts:
+            await self.submit(prompt)
+
+    def _adopt(self, rt: Runtime) -> None:
+        """What of a built profile lives only in memory: rebuilt at every start."""
+        self.agent.allow_tools = rt.allow_tools
+        self.agent.prompt = rt.prompt
+        self.agent.hooks = dict(rt.hooks)
+        self.agent.hook_failure = rt.hook_failure
+        self.agent.hook_timeout = rt.hook_timeout
+
+    async def _build_current(self) -> None:
+        """At the session's start (new or restored): its profile's prompt, hooks and
+        allowTools. The tools and the history come from the journal, not from here."""
+        name = self.cfg.agent
+        try:
+            rt = await self.host.build_runtime(name, self.cwd, self.agent.tool_env())
+        except InvalidRequest as err:
+            self.error(f"agent {name}: {err} (running without its prompt and hooks)")
+            return
+        self._adopt(rt)
 
     def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
         self.record(persist.Cfg(dict(values)))
@@ -508,6 +607,7 @@ class Session:
                         self.state.set(rec.ev.content)
                 elif isinstance(rec, persist.Msg):
                     history.append(rec.msg)
+                    self.agent.tool_calls += len(rec.msg.tool_calls)
                 elif isinstance(rec, persist.UsageRec):
                     history.totals.add(rec.usage, rec.cost, rec.estimated)
                 elif isinstance(rec, persist.TurnCost):
@@ -524,6 +624,9 @@ class Session:
                     self.turn_starts.clear()
                 elif isinstance(rec, persist.Dropped):
                     dropped.update(rec.seqs)
+                elif isinstance(rec, persist.Replaced):
+                    history.replace(rec.messages)
+                    self.turn_starts = [0]
                 elif isinstance(rec, persist.Plan):
                     self.plan = rec.text
                 elif isinstance(rec, persist.MaxSteps):

@@ -184,3 +184,12 @@ def test_the_session_cost_cap_ends_the_turn(daemon: Daemon) -> None:
     daemon.wait_idle(sid)
     assert len(daemon.replay.requests) == 1
     assert "reached the cap" in daemon.read(f"s/{sid}/chat")
+
+
+def test_models_file_and_command(daemon: Daemon) -> None:
+    sid = daemon.new(name="mo")
+    models = daemon.read(f"s/{sid}/models")
+    assert models and not models.startswith("error:"), models
+    daemon.write(f"s/{sid}/ctl", "models")
+    assert ":: models refreshed: " in daemon.read(f"s/{sid}/chat")
+    assert oserror(lambda: daemon.write(f"s/{sid}/ctl", "models x")) == errno.EINVAL

@@ -15,6 +15,10 @@ SESSION_FILES = {
     "prompt",
     "peer",
     "plan",
+    "compactions",
+    "taskstate",
+    "tcct",
+    "models",
     "err",
     "fifo.in",
     "fifo.out",
@@ -40,7 +44,22 @@ SESSION_FILES = {
 
 
 def test_root(daemon: Daemon) -> None:
-    root = ["backends", "err", "events", "help", "m", "p", "s", "sk", "t", "tmp", "tr", "u", "x"]
+    root = [
+        "a",
+        "backends",
+        "err",
+        "events",
+        "help",
+        "m",
+        "p",
+        "s",
+        "sk",
+        "t",
+        "tmp",
+        "tr",
+        "u",
+        "x",
+    ]
     assert sorted(os.listdir(daemon.path)) == root
     assert daemon.read("backends").split("\n")[0].split("\t")[0] == "openai"
     assert "s/new" in daemon.read("help")
@@ -188,7 +207,7 @@ def test_api_key_never_in_the_tree(daemon: Daemon) -> None:
     url = daemon.replay.url
     for dirpath, _, files in os.walk(daemon.path):
         for f in files:
-            if f in ("stream", "events", "statewait", "prompt", "ctl"):
+            if f in ("stream", "events", "statewait", "prompt", "ctl", "fifo.in", "fifo.out"):
                 continue
             text = Path(dirpath, f).read_text()
             assert key not in text and url not in text, f

@@ -23,6 +23,7 @@ from olliefs.backend.base import (
     ContextOverflowError,
     GenerationParams,
     Message,
+    ProviderBackend,
     RateLimitError,
     StreamEvent,
     Tool,
@@ -736,7 +737,7 @@ async def test_kiro_refresh_token_flow_and_model_fallback() -> None:
 # ---- every backend ----------------------------------------------------------------------------
 
 
-def all_backends(transport: httpx.AsyncBaseTransport) -> list[Backend]:
+def all_backends(transport: httpx.AsyncBaseTransport) -> list[ProviderBackend]:
     return [
         OpenAIBackend("openai", "http://h", KEY, transport=transport),
         AnthropicBackend("anthropic", "http://h", KEY, transport=transport),

@@ -1,0 +1,85 @@
+"""Profiles in a/ and agent switching, end to end through the mount."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+from olliefs.testing import Daemon
+from tests.conftest import oserror, script
+
+MINE = {
+    "prompt": "You are terse. Working in $OLLIE_CWD.",
+    "tools": ["client_9p", "file_read"],
+    "allowTools": ["client_9p", "file_*"],
+    "maxSteps": 7,
+}
+
+
+def put(daemon: Daemon, rel: str, text: str) -> None:
+    """As the shell's ``>`` does: create or truncate, one write(2), close."""
+    fd = os.open(daemon.p(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def test_profiles_are_validated_as_written(daemon: Daemon) -> None:
+    assert "default.json" in os.listdir(daemon.p("a"))
+    put(daemon, "a/mine.json", json.dumps(MINE))
+    assert json.loads(daemon.read("a/mine.json")) == MINE
+    # Certainly invalid at write: refused at once, the old version kept.
+    assert oserror(lambda: put(daemon, "a/mine.json", '{"prompt": 1}')) == errno.EINVAL
+    assert oserror(lambda: put(daemon, "a/mine.json", '{"nosuchkey": true}')) == errno.EINVAL
+    assert oserror(lambda: put(daemon, "a/mine.json", "{]")) == errno.EINVAL
+    assert json.loads(daemon.read("a/mine.json")) == MINE
+    assert "a/mine.json" in daemon.read("err")
+    assert oserror(lambda: put(daemon, "a/bad name.json", "{}")) == errno.EINVAL
+
+
+def test_switching_agent_rebuilds_and_clears(daemon: Daemon) -> None:
+    put(daemon, "a/mine.json", json.dumps(MINE))
+    sid = daemon.new(name="sw")
+    daemon.prompt(sid, "before")
+    daemon.wait_idle(sid)
+    daemon.write(f"s/{sid}/ctl", "agent mine")
+    assert daemon.read(f"s/{sid}/context") == ""
+    tools = daemon.read(f"s/{sid}/tools")
+    assert tools.splitlines()[0].startswith("client_9p") and "file_read" in tools
+    assert f"Working in {daemon.work}" in daemon.read(f"s/{sid}/systemprompt")
+    assert "agent=mine\n" in daemon.read(f"s/{sid}/cfg")
+    assert oserror(lambda: daemon.write(f"s/{sid}/ctl", "tool_load execute_code")) == errno.EINVAL
+    assert "not permitted" in daemon.read(f"s/{sid}/err")
+    assert oserror(lambda: daemon.write(f"s/{sid}/ctl", "agent nosuch")) == errno.EINVAL
+
+
+def test_hooks_block_add_context_and_run_in_order(daemon: Daemon) -> None:
+    log = daemon.work / "hook.log"
+    hooked = {
+        "tools": ["client_9p", "reasoning_think"],
+        "hooks": {
+            "preTurn": f"grep -q forbidden && {{ echo 'no forbidden prompts' >&2; exit 2; }}; "
+            f"echo turn >> {log}; echo 'remember: be brief'",
+            "preTool": 'grep -Eq \'"thought": ?"bad"\' && '
+            "{ echo 'bad thought' >&2; exit 2; }; true",
+            "postTurn": f"echo post >> {log}",
+        },
+    }
+    put(daemon, "a/hooked.json", json.dumps(hooked))
+    sid = daemon.new(name="hk")
+    daemon.write(f"s/{sid}/ctl", "agent hooked")
+    daemon.prompt(sid, "something forbidden")
+    daemon.wait_idle(sid)
+    assert "blocked by the preTurn hook: no forbidden prompts" in daemon.read(f"s/{sid}/chat")
+    assert not daemon.replay.requests
+    think = {"name": "reasoning_think", "arguments": {"thought": "bad"}, "id": "c1"}
+    daemon.replay.add(script(json.dumps({"tool_calls": [think]}), '{"reply": "ok"}'))
+    daemon.prompt(sid, "fine")
+    daemon.wait_idle(sid)
+    msgs = daemon.replay.requests[0]["messages"]
+    assert any("remember: be brief" in str(m.get("content")) for m in msgs)
+    tool = [m for m in daemon.replay.requests[1]["messages"] if m["role"] == "tool"]
+    assert "blocked by the preTool hook: bad thought" in tool[0]["content"]
+    assert log.read_text().split() == ["turn", "post"]
