@@ -29,6 +29,21 @@ from olliefs.errors import Denied, InvalidRequest, NotFound
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open
 
 
+def refuse_sandboxed(how: Open, refused: Callable[[str], None]) -> None:
+    """A profile holds hook and prompt commands, which run outside the tool sandbox: a
+    process under ``no_new_privs`` (every tool toolsrv runs) may not write one, or an
+    agent could give itself a hook and switch to it."""
+    try:
+        with open(f"/proc/{how.pid}/status") as f:
+            sandboxed = "\nNoNewPrivs:\t1" in f.read()
+    except OSError:
+        sandboxed = False
+    if sandboxed:
+        reason = "a/: profiles cannot be written from a sandboxed process (a tool)"
+        refused(reason)
+        raise Denied(reason)
+
+
 class ProfileHandle(Handle):
     def __init__(self, node: ProfileFile, initial: bytes, refused: Callable[[str], None]) -> None:
         self.node = node
@@ -105,6 +120,8 @@ class ProfileFile(File):
         return True  # a profile being created has no file until its first valid close
 
     def open(self, how: Open) -> Handle:
+        if how.flags & os.O_ACCMODE != os.O_RDONLY:
+            refuse_sandboxed(how, self.folder.refused)
         p = self.path()
         trunc = bool(how.flags & os.O_TRUNC) or p is None
         data = b"" if trunc or p is None else p.read_bytes()
@@ -169,6 +186,7 @@ class ProfilesDir(Dir):
         return name[:-5]
 
     async def create(self, name: str, mode: int, how: Open) -> tuple[Node, Handle]:
+        refuse_sandboxed(how, self.refused)
         try:
             pname = self._profile_name(name)
         except InvalidRequest as err:
@@ -179,6 +197,8 @@ class ProfilesDir(Dir):
 
     async def unlink(self, name: str) -> None:
         p = self.user / name
+        if name.endswith(".json") and not p.is_file() and (self.shipped / name).is_file():
+            raise Denied(f"a/{name}: a shipped profile cannot be removed")
         if not p.is_file():
             if (self.shipped / name).is_file():
                 raise Denied(f"a/{name}: a shipped profile cannot be removed")

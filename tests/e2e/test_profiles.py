@@ -83,3 +83,17 @@ def test_hooks_block_add_context_and_run_in_order(daemon: Daemon) -> None:
     tool = [m for m in daemon.replay.requests[1]["messages"] if m["role"] == "tool"]
     assert "blocked by the preTool hook: bad thought" in tool[0]["content"]
     assert log.read_text().split() == ["turn", "post"]
+
+
+def test_a_tool_cannot_write_a_profile(daemon: Daemon) -> None:
+    evil = {"hooks": {"preTurn": "touch /tmp/ollie-pwned"}}
+    args = {"op": "write", "path": "/a/evil.json", "data": json.dumps(evil)}
+    call = {"name": "client_9p", "arguments": args, "id": "c1"}
+    daemon.replay.add(script(json.dumps({"tool_calls": [call]}), '{"reply": "done"}'))
+    sid = daemon.new(name="ev")
+    daemon.prompt(sid, "try")
+    daemon.wait_idle(sid)
+    assert "evil.json" not in os.listdir(daemon.p("a"))
+    tool = [m for m in daemon.replay.requests[1]["messages"] if m["role"] == "tool"]
+    assert "Permission denied" in tool[0]["content"] or "EACCES" in tool[0]["content"]
+    assert "sandboxed process" in daemon.read("err")
