@@ -99,8 +99,16 @@ async def serve(
         )
         await nursery.start(serve_unix, args.socket, fs)
         log.info("serving %s (tools: %s)", args.socket, ", ".join(map(str, tools)))
-        sys.stdout.write("ready\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write("ready\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # Whoever started us is gone already (a daemon stopped while we started):
+            # nobody will ever connect, so leave quietly.
+            log.info("the spawner went away before toolsrv was ready; exiting")
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+            nursery.cancel_scope.cancel()
+            return
 
         async def on_signal() -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
