@@ -415,6 +415,7 @@ class Session:
         self.chat.close()
         self.events.close()
         self.state.wake()
+        self.queued.unpark_all()  # fifo.out readers: EOF
         # The journal is closed by the caller: in a worker thread on kill, at once on
         # shutdown (its close is an fsync).
 

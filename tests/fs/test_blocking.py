@@ -194,12 +194,25 @@ def test_a_signal_ends_a_blocked_stream_reader(daemon: Daemon, pattern: str) -> 
     assert daemon.read("s/int/state") == "idle\n"
 
 
-@pytest.mark.parametrize("rel", ["s/sw/statewait", "s/sw/events", "events"])
+@pytest.mark.parametrize("rel", ["s/sw/statewait", "s/sw/events", "events", "s/sw/fifo.out"])
 @pytest.mark.parametrize("pattern", ["opener", "timeout", "exec-fd"])
 def test_statewait_and_events_readers_are_killable(daemon: Daemon, rel: str, pattern: str) -> None:
     daemon.new(name="sw")
     for sig in (signal.SIGINT, signal.SIGKILL):
         signal_ends_reader(daemon, PATTERNS[pattern], rel, sig)
+
+
+@pytest.mark.parametrize("rel", ["stream", "events", "statewait", "fifo.out"])
+def test_removing_the_session_ends_its_blocked_reads(daemon: Daemon, rel: str) -> None:
+    """EOF for a reader blocked on any of the session's blocking files when the session
+    goes; the daemon's shutdown relies on it too (it ends the FUSE loop only after)."""
+    daemon.new(name="gone")
+    proc, _ = start_reader(daemon, ["cat", "{}"], f"s/gone/{rel}")
+    try:
+        daemon.write("s/gone/ctl", "kill")
+        assert proc.wait(timeout=20) == 0
+    finally:
+        end(daemon, proc)
 
 
 def test_caught_sigint_interrupts_the_read(daemon: Daemon) -> None:
