@@ -110,3 +110,14 @@ def test_ollie_5_has_an_entry_for_every_file_of_the_tree(daemon: Daemon) -> None
                 missing.add(_doc_name(rel, sessions))
     missing.discard("s/ID/")  # the session directory: described under s/ and in SYNOPSIS
     assert not missing, f"not in ollie(5): {sorted(missing)}"
+
+
+def test_ollie_5_names_each_file_once() -> None:
+    """One entry per file in THE WHOLE TREE (two helpers documenting the same new file
+    in parallel once left two, saying different things)."""
+    text = _text("ollie.5")
+    start = text.index(".SH THE WHOLE TREE")
+    section = text[start : text.index("\n.SH ", start + 1)]
+    names = re.findall(r"^\.TP\n\.BR? (\S+)", section, re.M)
+    assert len(names) > 40
+    assert sorted({n for n in names if names.count(n) > 1}) == []
