@@ -31,12 +31,16 @@ from olliefs.agent.safety import Abort, Action, Nudge, Reinject
 from olliefs.backend.base import (
     Backend,
     BackendError,
+    BadResponseError,
     ContextOverflowError,
     GenerationParams,
     Message,
     ProviderData,
     RateLimitError,
+    StreamDropError,
     ToolCall,
+    ToolUnsupportedError,
+    TransientError,
     Usage,
 )
 from olliefs.toolclient.client import ToolsrvError
@@ -222,11 +226,7 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
             raise
         except BackendError as err:
             if attempt == 0:
-                handled = await host.hook(
-                    "turnError", error=str(err), error_type=type(err).__name__, attempt=attempt
-                )
-                if handled is not None and handled.ok:
-                    raise TurnEnded(f"{err} (handled by the turnError hook)") from None
+                await _turn_error(host, err, attempt)
             delay = host.retry.delay(err, attempt)
             if delay is None:
                 raise
@@ -238,6 +238,36 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
         )
         _account(host, reply, usage)
         return reply
+
+
+ERROR_TYPES: tuple[tuple[type[BackendError], str], ...] = (
+    (RateLimitError, "rate_limit"),
+    (StreamDropError, "stream_drop"),
+    (TransientError, "transient"),
+    (ContextOverflowError, "context_overflow"),
+    (ToolUnsupportedError, "tool_unsupported"),
+    (BadResponseError, "bad_response"),
+)
+
+
+def error_type(err: BackendError) -> str:
+    """The ``error_type`` of a turnError payload (ollie-agent(5)); most specific first."""
+    return next((name for cls, name in ERROR_TYPES if isinstance(err, cls)), "error")
+
+
+async def _turn_error(host: TurnHost, err: BackendError, attempt: int) -> None:
+    """The turnError hook, before any retry. Exit 0 is "handled": its output joins the
+    context and the turn ends without a retry. A block (exit 2) ends the turn too, with
+    the hook's reason already in chat. Anything else: the usual retries, then the error."""
+    r = await host.hook("turnError", error=str(err), error_type=error_type(err), attempt=attempt)
+    if r is None:
+        return
+    if r.blocked:
+        raise TurnEnded(f"{err} (retries blocked by the turnError hook)") from None
+    if r.ok:
+        if r.context.strip():
+            host.add_message(Message("user", f"[turnError hook]\n{r.context.strip()}"))
+        raise TurnEnded(f"{err} (handled by the turnError hook)") from None
 
 
 async def _back_off(host: TurnHost, err: BackendError, delay: float) -> None:

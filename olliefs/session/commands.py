@@ -215,12 +215,18 @@ def _save(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.host.save(s)
 
 
-@command("fork", "rest", "fork <name> [<n>]: a new session with the first n messages")
+@command("fork", "rest", "fork <name> [<n>|checkpoint]: a new session with the first n "
+         "messages, or with only this one's checkpoint (task state, decisions)")  # fmt: skip
 def _fork(s: Session, arg: str, p: Pending) -> Apply:
     parts = arg.split()
     if len(parts) > 2:
-        raise InvalidRequest("fork: fork <name> [<n>]")
+        raise InvalidRequest("fork: fork <name> [<n>|checkpoint]")
     name = parts[0]
+    if parts[1:] == ["checkpoint"]:
+        # No message is copied, so no cut can split a tool call from its result: this
+        # is also valid in the middle of a tool round (subagent_spawn runs there).
+        s.host.check_new_name(name)
+        return lambda: s.host.fork(s, name, 0, checkpoint=True)
     total = len(s.agent.history.messages)
     n = _count("fork", parts[1], 0, total) if len(parts) == 2 else total
     msgs = s.agent.history.messages

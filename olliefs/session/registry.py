@@ -17,6 +17,7 @@ import trio
 
 from olliefs.agent.agent import Services
 from olliefs.agent.build import Runtime, build_runtime
+from olliefs.agent.compact import checkpoint as checkpoint_messages
 from olliefs.agent.config import Cfg, resolve_cwd
 from olliefs.agent.events import Event, encode_line
 from olliefs.agent.profile import load_profile, profile_path
@@ -344,23 +345,41 @@ class Registry:
         """Create a session from an ``s/new`` write; durable before it returns."""
         v = self.parse_new(text)
         cfg = Cfg(backend=v["backend"], model=v["model"], agent=v["agent"], cwd=v["cwd"])
-        s = await self._make(v.get("name"), cfg, [])
+        # The profile's step limit, as its tools (Session takes those itself): a limit
+        # known only to ``ctl agent`` let a session made with agent= run 50 rounds.
+        steps = self.profile(cfg.agent).get("maxSteps")
+        extra: list[persist.Record] = []
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
+            extra.append(persist.MaxSteps(steps))
+        s = await self._make(v.get("name"), cfg, extra)
         s.emit("info", f"session {s.id} created (cwd {s.cwd}, {cfg.backend}/{cfg.model})")
         return s
 
-    async def fork(self, src: Session, name: str, n: int) -> None:
+    async def fork(self, src: Session, name: str, n: int, *, checkpoint: bool = False) -> None:
         """``ctl fork``: a new session with ``src``'s configuration, tools and first ``n``
-        history messages. All or nothing: until the new journal is durable, nothing of
-        the fork is visible, and a failure leaves no trace of it."""
+        history messages, or (``checkpoint``) with only ``src``'s checkpoint as history:
+        its TaskState (the cold zone) and decision index (the warm zone), the seed's
+        ``History.Checkpoint``, for a subagent that needs the state of the work and not
+        the conversation that led there. All or nothing: until the new journal is
+        durable, nothing of the fork is visible, and a failure leaves no trace of it."""
+        msgs = (
+            checkpoint_messages(src.agent.taskstate)
+            if checkpoint
+            else src.agent.history.messages[:n]
+        )
         extra: list[persist.Record] = [
             persist.Cfg({k: v for k, v in src.cfg.values().items() if k != "agent"}),
             persist.Tools(list(src.agent.link.wanted)),
             persist.MaxSteps(src.agent.max_steps),
-            *(persist.Msg(m) for m in src.agent.history.messages[:n]),
+            *(persist.Msg(m) for m in msgs),
         ]
         s = await self._make(name, src.cfg, extra)
-        s.emit("info", f"forked from {src.id} with its first {n} messages")
-        src.emit("info", f"forked into {s.id} with the first {n} messages")
+        if checkpoint:
+            s.emit("info", f"forked from {src.id}, starting from its checkpoint")
+            src.emit("info", f"forked into {s.id}, which starts from this checkpoint")
+        else:
+            s.emit("info", f"forked from {src.id} with its first {n} messages")
+            src.emit("info", f"forked into {s.id} with the first {n} messages")
 
     async def _make(self, name: str | None, cfg: Cfg, extra: list[persist.Record]) -> Session:
         """A new session from a create record plus ``extra`` records, made durable (in a
