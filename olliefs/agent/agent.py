@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import trio
@@ -55,6 +55,8 @@ from olliefs.backend.base import Backend, GenerationParams, Message, Usage
 from toolsrv.protocol import ToolMeta
 
 _json = msgspec.json.Encoder()
+
+CompactTrigger = Literal["auto", "overflow", "ctl"]
 
 
 class AgentHost(Protocol):
@@ -126,6 +128,7 @@ class Agent:
         self.hooks: dict[str, list[str]] = {}  # event -> shell commands (the profile's)
         self.hook_failure: HookFailure = "warn"
         self.hook_timeout = HOOK_TIMEOUT
+        self.compaction_model: str | None = None  # the profile's compactionModel
         self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
 
     # ---- the turn host --------------------------------------------------------------
@@ -232,22 +235,31 @@ class Agent:
         est = self.history.totals.last_context_tokens or self.history.estimate()
         if not overflow and not should_compact(est, self.context_length):
             return False
-        return await self.compact("")
+        return await self.compact("", "overflow" if overflow else "auto")
 
-    async def compact(self, focus: str) -> bool:
+    async def compact(self, focus: str, trigger: CompactTrigger = "ctl") -> bool:
         """Compaction that loses nothing: the whole history goes to
         ``compactions/<n>/`` (fsync'd) before the compacted one replaces it; a failed or
-        malformed answer keeps the old history and says why in chat."""
-        pre = await self.hook("preCompact", trigger="auto" if not focus else "ctl", focus=focus)
+        malformed answer keeps the old history and says why in chat. ``trigger`` is what
+        the hooks are told: ``auto`` (half the context), ``overflow`` (the provider
+        refused the request), ``ctl`` (``ctl compact``, with or without a focus).
+        preCompact's output is further instructions for the compaction model (the chat
+        line names only the user's focus); postCompact's joins the new context."""
+        tokens = self.history.totals.last_context_tokens or self.history.estimate()
+        pre = await self.hook("preCompact", trigger=trigger, focus=focus, tokens=tokens)
         if pre is not None and pre.blocked:
             return False
+        ask = focus
+        if pre is not None and pre.context.strip():
+            ask = "\n".join(x for x in (focus, pre.context.strip()) if x)
         self.set_state("compacting")
         self.emit("info", "compacting" + (f" (focus: {focus})" if focus else ""))
         try:
             p = plan_compaction(
-                self.history.messages, self.taskstate, focus, max_chars=self.context_length * 2
+                self.history.messages, self.taskstate, ask, max_chars=self.context_length * 2
             )
-            r = await run_compaction(self.backend(), self.cfg.model, p, self.params())
+            model = self.compaction_model or self.cfg.model
+            r = await run_compaction(self.backend(), model, p, self.params())
             where = self.host.compactions_dir()
             n = next_snapshot_number(where)
             await trio.to_thread.run_sync(write_snapshot, where, n, p.before, r.summary, r.dropped)
@@ -263,13 +275,15 @@ class Agent:
             "info",
             f"compacted {len(p.before)} messages into {len(r.messages)} (compactions/{n})",
         )
-        await self.hook(
+        post = await self.hook(
             "postCompact",
-            trigger="auto" if not focus else "ctl",
+            trigger=trigger,
             compaction=n,
             messages_before=len(p.before),
             messages_after=len(r.messages),
         )
+        if post is not None and post.context.strip():
+            self.add_message(Message("user", f"[postCompact hook]\n{post.context.strip()}"))
         return True
 
     def taskstate_text(self) -> str:

@@ -547,6 +547,7 @@ class Session:
         self.agent.hooks = dict(rt.hooks)
         self.agent.hook_failure = rt.hook_failure
         self.agent.hook_timeout = rt.hook_timeout
+        self.agent.compaction_model = rt.compaction_model
 
     async def _build_current(self) -> None:
         """At the session's start (new or restored): its profile's prompt, hooks and

@@ -434,3 +434,40 @@ def test_ctl_fork_checkpoint(daemon: Daemon) -> None:
     daemon.prompt("cp", "go on")
     daemon.wait_idle("cp")
     assert texts(daemon.replay.requests[-1])[1:] == [ctx[0]["content"], "go on"]
+
+
+def test_compaction_hooks_and_model(daemon: Daemon) -> None:
+    """preCompact and postCompact hear which trigger fired; preCompact's output goes to
+    the compaction model, postCompact's into the new context; the profile's
+    compactionModel writes the summary."""
+    log = daemon.work / "compact.log"
+    profile = {
+        "compactionModel": "small-model",
+        "hooks": {
+            "preCompact": f"cat >> {log}; echo >> {log}; echo 'mind the numbers'",
+            "postCompact": f"cat >> {log}; echo >> {log}; echo 'compacted: reread the plan'",
+        },
+    }
+    with open(daemon.p("a/watch.json"), "w") as f:
+        f.write(json.dumps(profile))
+    sid = daemon.new(name="hk", agent="watch")
+    turns(daemon, sid, 5)
+    answer = json.dumps({"reply": json.dumps(ANSWER)})
+    reqs = run(daemon, sid, "more", OVERFLOW, answer, '{"reply": "fits"}')
+    assert len(reqs) == 3
+    comp, retry = reqs[1], reqs[2]
+    assert comp["model"] == "small-model" and retry["model"] == "replay"
+    assert "mind the numbers" in texts(comp)[1]
+    assert texts(retry)[-1] == "[postCompact hook]\ncompacted: reread the plan"
+    assert ":: compacting\n" in daemon.read(f"s/{sid}/chat")  # the hook's text is not a focus
+    daemon.replay.add([Entry(reply=json.dumps(ANSWER))])
+    daemon.write(f"s/{sid}/ctl", "compact")
+    payloads = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(p["event"], p["trigger"]) for p in payloads] == [
+        ("preCompact", "overflow"),
+        ("postCompact", "overflow"),
+        ("preCompact", "ctl"),
+        ("postCompact", "ctl"),
+    ]
+    assert payloads[0]["tokens"] > 0 and payloads[1]["compaction"] == 1
+    assert payloads[3]["compaction"] == 2
