@@ -118,6 +118,7 @@ def test_a_half_full_context_compacts_before_the_next_request(
     )
     assert len(reqs) == 3
     first, comp, after = reqs
+    assert ("[estimated]" in d.read(f"s/{sid}/usage")) == (measure == "estimate")
     assert not comp.get("tools") and texts(comp)[0] == PROMPT
     assert first.get("tools") and after.get("tools")
 
