@@ -432,15 +432,25 @@ class Registry:
         s.rewind_to(n, k)
 
         def write() -> None:
-            d = root / str(k)
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # Written in ``.<k>.tmp`` and renamed: a crash in here leaves ``<k>`` whole or
+            # absent, never a context cut half-way (the tree hides the temp dir, and the
+            # next rewind to reach this number clears it).
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            d, tmp = root / str(k), root / f".{k}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(mode=0o700)
             ctx = b"".join(msgspec.json.encode(m) + b"\n" for m in before)
             for name, data in (("context", ctx), ("chat", s.chat.read(0, chat_size))):
-                with open(d / name, "wb") as f:
+                with open(tmp / name, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-            persist.sync_dir(d)
+            persist.sync_dir(tmp)
+            # ``<k>`` exists only if a machine crash lost the Rewind record that named it
+            # after the branch was synced; the old code overwrote it, and so does this.
+            shutil.rmtree(d, ignore_errors=True)
+            os.rename(tmp, d)
+            persist.sync_dir(root)
 
         await trio.to_thread.run_sync(write)
 
@@ -512,6 +522,13 @@ class Registry:
             try:
                 persist.repair(path)
                 records = persist.read_journal(path)
+                if not records and path.stat().st_size == 0:
+                    # s/new (or a fork) killed before its create record was whole: the
+                    # create never returned, since it returns only once the record is
+                    # durable. Nothing of it was acknowledged, so nothing is kept.
+                    log.warning("%s: create cut by a crash; removed", path)
+                    path.unlink()
+                    continue
                 if not records or not isinstance(records[0], persist.Create):
                     log.warning("%s: no create record; left alone", path)
                     continue

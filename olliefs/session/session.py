@@ -642,12 +642,17 @@ class Session:
                     self.agent.link.set_wanted(rec.names)
         finally:
             self._replaying = False
-        for seq in sorted(started - ended):
+        cut = sorted(started - ended)
+        for seq in cut:
             # A turn cut by a crash: closed, never re-run (SPEC 3.7).
             self.agent.answer_open_calls("interrupted by restart before the tool ended")
             self.emit("info", "interrupted by restart")
             self.renderer.end_turn()
             self.record(persist.End(seq))
+        if not cut and self.state.value == "compacting":
+            # A ``ctl compact`` cut by a crash (outside a turn, so no turn mark says it):
+            # its Replaced record was never written, so the history is the old one.
+            self.emit("info", "compaction interrupted by restart; history kept")
         self.queue.extend(
             (seq, prompts[seq])
             for seq in sorted(prompts)
