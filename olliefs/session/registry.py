@@ -429,8 +429,10 @@ class Registry:
     async def rewind(self, s: Session, n: int) -> None:
         """``ctl rewind``: the last ``n`` turns leave the history at once; what the
         history and chat were before is written to ``branches/<k>/`` before the write
-        returns (the journal holds every message too, so a crash in between loses
-        nothing)."""
+        returns. The Rewind record comes first (so no record of a turn can slip in
+        between the cut and its record); a crash before the branch is on disk leaves the
+        record without its branch, and the restore rebuilds the branch from the journal
+        (``Session.replay``)."""
         before = list(s.agent.history.messages)
         chat_size = len(s.chat)
         root = self.branches_dir(s)
@@ -439,25 +441,7 @@ class Registry:
         s.rewind_to(n, k)
 
         def write() -> None:
-            # Written in ``.<k>.tmp`` and renamed: a crash in here leaves ``<k>`` whole or
-            # absent, never a context cut half-way (the tree hides the temp dir, and the
-            # next rewind to reach this number clears it).
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            d, tmp = root / str(k), root / f".{k}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(mode=0o700)
-            ctx = b"".join(msgspec.json.encode(m) + b"\n" for m in before)
-            for name, data in (("context", ctx), ("chat", s.chat.read(0, chat_size))):
-                with open(tmp / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            persist.sync_dir(tmp)
-            # ``<k>`` exists only if a machine crash lost the Rewind record that named it
-            # after the branch was synced; the old code overwrote it, and so does this.
-            shutil.rmtree(d, ignore_errors=True)
-            os.rename(tmp, d)
-            persist.sync_dir(root)
+            persist.write_branch(root, k, before, s.chat.read(0, chat_size))
 
         await trio.to_thread.run_sync(write)
 

@@ -33,7 +33,7 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ DAEMON_POINTS = [
     "s/new while its journal appears",
     "s/new torn or empty journal",
     "rename (ctl rn) after the write returned",
+    "rename (mv) after the write returned",
     "rename (mv) while its record is written",
     "fork after the write returned",
     "fork while its journal appears",
@@ -323,12 +324,31 @@ def test_mid_compaction(daemon_factory: Callable[..., Daemon]) -> None:
     check_whole(d)
 
 
-def test_new_after_the_write_returned(d: Daemon) -> None:
-    sid = d.new(name="made")
+def test_control_writes_right_after_they_returned(d: Daemon) -> None:
+    """s/new, ctl fork, ctl rewind, ctl rn and mv, then SIGKILL: each one is whole."""
+    made = d.new(name="made")
+    sid = d.new(name="src")
+    turn(d, sid, "one")
+    ctx1 = context(d, sid)
+    turn(d, sid, "two")
+    ctx2 = context(d, sid)
+    d.write(f"s/{sid}/ctl", "fork kid 2")
+    chat = d.read(f"s/{sid}/chat")
+    d.write(f"s/{sid}/ctl", "rewind 1")
+    d.write(f"s/{sid}/ctl", "rn renamed")
+    os.rename(d.p(f"s/{made}"), d.p("s/moved"))
     crash(d)
     restart(d)
-    assert "session made created" in d.read(f"s/{sid}/chat")
-    assert d.read(f"s/{sid}/state") == "idle\n"
+    assert sorted(os.listdir(d.p("s"))) == ["idx", "kid", "moved", "new", "renamed"]
+    assert "session made created" in d.read("s/moved/chat")
+    assert d.read("s/moved/state") == "idle\n"
+    assert context(d, "kid") == ctx2[:2]
+    assert "forked from src with its first 2 messages" in d.read("s/kid/chat")
+    assert context(d, "renamed") == ctx1
+    branch = [json.loads(x) for x in d.read("s/renamed/branches/1/context").splitlines()]
+    assert branch == ctx2 and d.read("s/renamed/branches/1/chat") == chat
+    after = d.read("s/renamed/chat")
+    assert after.startswith(chat) and after.endswith("renamed from src to renamed\n")
 
 
 def test_new_while_its_journal_appears(d: Daemon) -> None:
@@ -350,17 +370,6 @@ def test_new_while_its_journal_appears(d: Daemon) -> None:
         d.new(name="racing")  # the name is free again
 
 
-def test_rename_after_the_write_returned(d: Daemon) -> None:
-    sid = d.new(name="old")
-    turn(d, sid, "hello")
-    chat, ctx = d.read(f"s/{sid}/chat"), context(d, sid)
-    d.write(f"s/{sid}/ctl", "rn renamed")
-    crash(d)
-    restart(d)
-    assert sorted(os.listdir(d.p("s"))) == ["idx", "new", "renamed"]
-    assert d.read("s/renamed/chat").startswith(chat) and context(d, "renamed") == ctx
-
-
 def test_mv_while_its_record_is_written(d: Daemon) -> None:
     sid = d.new(name="here")
     turn(d, sid, "hello")
@@ -373,18 +382,6 @@ def test_mv_while_its_record_is_written(d: Daemon) -> None:
     # the rename record is one write(2): once the journal grew, the rename is whole
     assert not d.p("s/here").exists()
     assert d.read("s/there/chat").startswith(chat)
-
-
-def test_fork_after_the_write_returned(d: Daemon) -> None:
-    sid = d.new(name="src")
-    turn(d, sid, "one")
-    turn(d, sid, "two")
-    ctx = context(d, sid)
-    d.write(f"s/{sid}/ctl", "fork kid 2")
-    crash(d)
-    restart(d)
-    assert context(d, "kid") == ctx[:2] and context(d, sid) == ctx
-    assert "forked from src with its first 2 messages" in d.read("s/kid/chat")
 
 
 def test_fork_while_its_journal_appears(d: Daemon) -> None:
@@ -403,40 +400,38 @@ def test_fork_while_its_journal_appears(d: Daemon) -> None:
     assert len(journals(d)) == len(names)
 
 
-def test_rewind_after_the_write_returned(d: Daemon) -> None:
-    sid = d.new(name="rw")
-    turn(d, sid, "one")
-    ctx1 = context(d, sid)
-    turn(d, sid, "two")
-    ctx2, chat = context(d, sid), d.read(f"s/{sid}/chat")
-    d.write(f"s/{sid}/ctl", "rewind 1")
-    crash(d)
-    restart(d)
-    assert context(d, sid) == ctx1
-    assert [json.loads(x) for x in d.read(f"s/{sid}/branches/1/context").splitlines()] == ctx2
-    assert d.read(f"s/{sid}/branches/1/chat") == chat
-    assert d.read(f"s/{sid}/chat").startswith(chat)
-
-
 def test_rewind_while_its_branch_is_written(d: Daemon) -> None:
     sid = d.new(name="rw")
     turn(d, sid, "one")
     ctx1 = context(d, sid)
     turn(d, sid, "two")
-    ctx2 = context(d, sid)
+    ctx2, chat = context(d, sid), d.read(f"s/{sid}/chat")
     branches = d.home / "state" / "branches"
     work = Background(lambda: d.write(f"s/{sid}/ctl", "rewind 1"))
-    returned = kill_when(d, branches.exists, work)
+    returned = kill_when(d, lambda: branches.exists() and any(os.listdir(branches)), work)
+    ((uid, records),) = journals(d).items()
+    rewound = any(isinstance(r, persist.Rewind) for r in records)
+    assert rewound or not returned
+    # Whichever side of the record the kill landed, make it the worst case a SIGKILL can
+    # leave: the branch not renamed into place yet, its temp dir half written.
+    shutil.rmtree(branches / uid / "1", ignore_errors=True)
+    (branches / uid / ".1.tmp").mkdir(parents=True, exist_ok=True)
+    (branches / uid / ".1.tmp" / "context").write_text('{"role": "us')
     restart(d)  # checks that a branch the tree shows is whole
-    shown = os.listdir(d.p(f"s/{sid}/branches"))
-    assert shown in ([], ["1"]) and (not returned or shown == ["1"])
-    assert context(d, sid) in (ctx1, ctx2)
-    if shown:
+    assert context(d, sid) == (ctx1 if rewound else ctx2)
+    if rewound:  # the record is there: its branch is rebuilt from the journal
+        assert os.listdir(d.p(f"s/{sid}/branches")) == ["1"]
         got = [json.loads(x) for x in d.read(f"s/{sid}/branches/1/context").splitlines()]
-        assert got == ctx2
-    # a rewind after the restart works and keeps its own whole branch
+        assert got == ctx2 and d.read(f"s/{sid}/branches/1/chat") == chat
+    else:
+        assert os.listdir(d.p(f"s/{sid}/branches")) == []
+    # the next rewind writes its branch whole (over the temp dir if it is number 1)
     d.write(f"s/{sid}/ctl", "rewind 1")
-    assert context(d, sid)[: len(ctx1) - 2] == ctx1[: len(ctx1) - 2]
+    assert context(d, sid) == ([] if rewound else ctx1)
+    k = 2 if rewound else 1
+    assert sorted(os.listdir(branches / uid)) == [str(i) for i in range(1, k + 1)]
+    got = [json.loads(x) for x in d.read(f"s/{sid}/branches/{k}/context").splitlines()]
+    assert got == (ctx1 if rewound else ctx2)
     check_whole(d)
 
 
@@ -451,6 +446,7 @@ def tear_offsets(data: bytes) -> list[tuple[int, int]]:
     every = os.environ.get("OLLIE_CRASH_OFFSETS") == "all"
     out = []
     for k, (a, b) in enumerate(zip(starts, ends, strict=True)):
+        offsets: Sequence[int]
         if every or k == len(ends) - 1:
             offsets = range(a, b)
         else:
