@@ -293,6 +293,14 @@ def test_mid_tool(d: Daemon) -> None:
     d.replay.add(script(calls(call("reasoning_think", {"thought": "x"}, "c2")), reply("on")))
     turn(d, sid, "again")
     assert '-> reasoning_think({"thought":"x"})\nok\n' in d.read(f"s/{sid}/chat")
+    # A clean stop while a call runs: the call is cancelled without a traceback in the
+    # log (checked at teardown), and toolsrv takes its tools with it.
+    pids.unlink()
+    d.replay.add(script(calls(call("execute_code", {"code": code}, "c3"))))
+    d.prompt(sid, "hang")
+    d.wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2)
+    d.stop()
+    d.wait_for(lambda: not strays(d))
 
 
 def test_mid_compaction(daemon_factory: Callable[..., Daemon]) -> None:
