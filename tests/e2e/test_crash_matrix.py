@@ -23,6 +23,8 @@ restored by a real daemon, all at once, as one session per torn copy.
 The toolsrv points SIGKILL the daemon's toolsrv server (not its keeper) while a call is
 before its spawn, running, streaming its output back, and ended but not yet answered;
 toolsrv is held at a point with SIGSTOP, which leaves its tools running.
+
+``DAEMON_POINTS`` and ``TOOLSRV_POINTS`` name every point the tests below reach.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ DAEMON_POINTS = [
     "mid-stream",
     "mid-tool",
     "mid-compaction",
+    "mid-journal-write (the last record torn at every byte offset)",
     "s/new after the write returned",
     "s/new while its journal appears",
     "s/new torn or empty journal",
