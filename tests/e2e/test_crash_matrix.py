@@ -613,7 +613,11 @@ def test_toolsrv_killed(daemon_factory: Callable[..., Daemon], point: str) -> No
     size = 1 << 20 if point == "output streaming back" else 0  # more than a pipe holds
     think = calls(call("reasoning_think", {"thought": "x"}, "c2"))
     gated = calls(call("crash_gate", {"size": size}, "c1"))
-    d.replay.add(script(think, reply("warm"), gated, reply("went on"), think, reply("2")))
+    # "before spawn": the step's model request is held (until the read timeout) while
+    # toolsrv is stopped, so the retried request's call meets a toolsrv that cannot
+    # spawn anything; the other points take the call at once.
+    held = [json.dumps({"hang": True})] if point == "before spawn" else []
+    d.replay.add(script(think, reply("warm"), *held, gated, reply("went on"), think, reply("2")))
     sid = d.new(name="ts")
     d.write(f"s/{sid}/ctl", "tool_load crash_gate\ntool_load reasoning_think")
     d.prompt(sid, "warm")  # toolsrv up, the tools loaded, a proc slot made ahead
@@ -621,12 +625,13 @@ def test_toolsrv_killed(daemon_factory: Callable[..., Daemon], point: str) -> No
     (server,) = toolsrv_pids(d)
     d.allowed_errors.append("toolsrv")  # its death is logged as a warning
     pidfile = d.work / "pid"
+    asked = len(d.replay.requests)
     d.prompt(sid, "go")
     if point == "before spawn":
-        d.wait_state(sid, "calling: crash_gate")
+        d.wait_for(lambda: len(d.replay.requests) > asked)
         os.kill(server, signal.SIGSTOP)
-        # stopped with no child: the call is on its way in, its tool not yet spawned
-        spawned = children(server)
+        d.wait_state(sid, "calling: crash_gate")
+        spawned = children(server)  # none: the call is on its way in, nothing spawned
     else:
         d.wait_for(lambda: pidfile.exists() and pidfile.read_text() != "")
         tool = int(pidfile.read_text())
