@@ -8,8 +8,8 @@ asserts nothing; every reference is measured in the same run. ``bench/perf.py`` 
     (10 ms apart, so each travels alone) and notes when each was written to the socket; a
     thread blocked in ``read`` on ``s/<id>/stream`` notes when it got it. Reference: an
     httpx client reading the same stream from the replay server directly.
-(2) 10 MB reply through ``stream``, in 4 KB and in 50-byte deltas: from the prompt write
-    to the last byte at a reader of ``stream`` (every byte checked). The replay server
+(2) 10 MB reply through ``stream``, in 4 KB and in 50-byte deltas: from the first to the
+    last byte of the reply at a reader of ``stream`` (every byte checked). The replay server
     sends a prepared SSE body in 64 KiB writes, so the figure is the daemon's, not the
     server's. Reference: httpx reading the same body directly. Also the growth of the
     session journal per byte of reply (target: the text once, about 1x).
@@ -23,7 +23,8 @@ asserts nothing; every reference is measured in the same run. ``bench/perf.py`` 
     window in which every stream is running: tokens offered (sent by the pacer) and
     delivered (bytes the readers got / token size) per second, and the daemon's CPU.
 
-``STREAM_SESSIONS`` / ``STREAM_RATE`` / ``STREAM_TURNS`` change the sizes of (4) and (3).
+``STREAM_SESSIONS`` / ``STREAM_RATE`` / ``STREAM_TURNS`` change the sizes of (4) and (3);
+``STREAM_PARTS=13`` runs only sections (1) and (3).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from olliefs.testing import Daemon
 SESSIONS = int(os.environ.get("STREAM_SESSIONS", "200"))
 RATE = float(os.environ.get("STREAM_RATE", "200"))  # tokens per second per session
 TURNS = int(os.environ.get("STREAM_TURNS", "500"))
+PARTS = os.environ.get("STREAM_PARTS", "1234")  # which of the sections below to run
 TOKENS = 200
 GAP = 0.01
 BIG = 10 * 1000 * 1000
@@ -187,10 +189,11 @@ def throughput_direct(srv: ReplayServer, body: bytes) -> float:
     srv.add([big_entry(body)])
     req = {"model": "replay", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     with httpx.Client() as client:
-        t0 = time.monotonic()
+        t0 = 0.0
         n = 0
         with client.stream("POST", srv.url + "/chat/completions", json=req) as r:
             for data in r.iter_raw():
+                t0 = t0 or time.monotonic()
                 n += len(data)
         dt = time.monotonic() - t0
     assert n == len(body)
@@ -212,12 +215,15 @@ def throughput_olliefs(d: Daemon, body: bytes, text: str, name: str) -> tuple[fl
         want = start + len("user: go\nassistant: ") + len(text)
         d.replay.add([big_entry(body)])
         got = bytearray()
-        t0 = time.monotonic()
         d.prompt(sid, "go")
+        head = len("user: go\nassistant: ")
+        t0 = 0.0
         while start + len(got) < want:
             data = os.read(fd, 1 << 20)
             assert data, "stream ended early"
             got += data
+            if not t0 and len(got) > head:
+                t0 = time.monotonic()  # the reply's first byte
         dt = time.monotonic() - t0
     finally:
         os.close(fd)
@@ -383,8 +389,8 @@ def overhead_direct(srv: TinyServer, n: int = 200) -> list[float]:
     return out
 
 
-def overhead_olliefs(d: Daemon, srv: TinyServer, turns: int) -> list[float]:
-    sid = d.new(name="turns")
+def overhead_olliefs(d: Daemon, srv: TinyServer, turns: int, name: str = "turns") -> list[float]:
+    sid = d.new(name=name)
     out = []
     for i in range(turns):
         d.prompt(sid, f"turn {i}")
@@ -449,12 +455,33 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
     if left == 0:
         note += "; WARNING: some stream ended inside the window"
     return [
-        Row("200 streams: tokens delivered/s", got, offered, "tok/s", ">= 0.98x offered",
-            got >= 0.98 * offered, note),
-        Row("200 streams: tokens offered/s", offered, SESSIONS * RATE, "tok/s",
-            "= sessions x rate", offered >= 0.98 * SESSIONS * RATE, "what the pacer sent"),
-        Row("200 streams: daemon CPU", cpu, None, "%", "(printed)", None,
-            "utime+stime of the daemon over the window, 100% = one core"),
+        Row(
+            "200 streams: tokens delivered/s",
+            got,
+            offered,
+            "tok/s",
+            ">= 0.98x offered",
+            got >= 0.98 * offered,
+            note,
+        ),
+        Row(
+            "200 streams: tokens offered/s",
+            offered,
+            SESSIONS * RATE,
+            "tok/s",
+            "= sessions x rate",
+            offered >= 0.98 * SESSIONS * RATE,
+            "what the pacer sent",
+        ),
+        Row(
+            "200 streams: daemon CPU",
+            cpu,
+            None,
+            "%",
+            "(printed)",
+            None,
+            "utime+stime of the daemon over the window, 100% = one core",
+        ),
     ]
 
 
@@ -466,74 +493,126 @@ def rows() -> list[Row]:
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp, ReplayServer(on_send=clock.on_send) as srv:
         base = Path(tmp)
-        # (1)
-        srv.add(parse_script(token_script()))
-        ref = token_direct(clock, srv)
-        clock.sent.clear()
-        srv.add(parse_script(token_script()))
-        (base / "a").mkdir()
-        d = Daemon(base / "a", srv, {"OLLIE_READ_TIMEOUT": "30"})
-        d.start()
-        try:
+        if "1" in PARTS or "2" in PARTS:
+            out += token_and_throughput(base / "a", srv, clock)
+        if "3" in PARTS:
+            out += overhead(base / "b", srv)
+        if "4" in PARTS:
+            (base / "c").mkdir()
+            out += many_streams(base / "c", srv)
+    return out
+
+
+def token_and_throughput(base: Path, srv: ReplayServer, clock: Clock) -> list[Row]:
+    out: list[Row] = []
+    base.mkdir()
+    d = Daemon(base, srv, {"OLLIE_READ_TIMEOUT": "30"})
+    d.start()
+    try:
+        if "1" in PARTS:
+            srv.add(parse_script(token_script()))
+            ref = token_direct(clock, srv)
+            clock.sent.clear()
+            srv.add(parse_script(token_script()))
             ours = token_olliefs(clock, d)
             out.append(
-                Row("token -> blocked stream reader p50", p50(ours) * 1e3, p50(ref) * 1e3, "ms",
-                    "<= 2x ref", p50(ours) <= 2 * p50(ref),
-                    "ref: httpx reading the replay server directly")
+                Row(
+                    "token -> blocked stream reader p50",
+                    p50(ours) * 1e3,
+                    p50(ref) * 1e3,
+                    "ms",
+                    "<= 2x ref",
+                    p50(ours) <= 2 * p50(ref),
+                    "ref: httpx reading the replay server directly",
+                )
             )
             out.append(
-                Row("token -> blocked stream reader p99", p99(ours) * 1e3, p99(ref) * 1e3, "ms",
-                    "< 2 ms", p99(ours) < 2e-3, "")
+                Row(
+                    "token -> blocked stream reader p99",
+                    p99(ours) * 1e3,
+                    p99(ref) * 1e3,
+                    "ms",
+                    "< 2 ms",
+                    p99(ours) < 2e-3,
+                    "",
+                )
             )
-            # (2)
+        if "2" in PARTS:
             text = big_text()
             for delta, target in ((4096, 200.0), (50, 20.0)):
                 body = sse_body(text, delta)
                 direct = throughput_direct(srv, body)
                 rate, growth = throughput_olliefs(d, body, text, f"big{delta}")
                 out.append(
-                    Row(f"10 MB reply via stream, {delta} B deltas", rate, direct, "MB/s",
-                        f">= {target:g} MB/s", rate >= target,
-                        "prompt write to last byte at the reader; ref: httpx direct")
+                    Row(
+                        f"10 MB reply via stream, {delta} B deltas",
+                        rate,
+                        direct,
+                        "MB/s",
+                        f">= {target:g} MB/s",
+                        rate >= target,
+                        "first to last byte of the reply at the reader; ref: httpx direct",
+                    )
                 )
                 out.append(
-                    Row(f"journal growth / reply size, {delta} B deltas", growth, 1.0, "x",
-                        "< 1.3x", growth < 1.3, "the reply's text journaled once")
+                    Row(
+                        f"journal growth / reply size, {delta} B deltas",
+                        growth,
+                        1.0,
+                        "x",
+                        "< 1.3x",
+                        growth < 1.3,
+                        "the reply's text journaled once",
+                    )
                 )
+    finally:
+        d.stop()
+    return out
+
+
+def overhead(base: Path, srv: ReplayServer) -> list[Row]:
+    tiny = TinyServer()
+    try:
+        base.mkdir()
+        d = Daemon(base, srv, {"OLLIE_OPENAI_URL": tiny.url})
+        d.start()
+        try:
+            per_turn = overhead_olliefs(d, tiny, TURNS)
         finally:
             d.stop()
-        # (3)
-        tiny = TinyServer()
-        try:
-            (base / "b").mkdir()
-            d = Daemon(base / "b", srv, {"OLLIE_OPENAI_URL": tiny.url})
-            d.start()
-            try:
-                per_turn = overhead_olliefs(d, tiny, TURNS)
-            finally:
-                d.stop()
-            direct_oh = overhead_direct(tiny)
-            first, last = per_turn[1:21], per_turn[-20:]
-            out.append(
-                Row("prompt write -> request at server p50, turns 2-21", p50(first) * 1e3,
-                    p50(direct_oh) * 1e3, "ms", "< 2 ms", p50(first) < 2e-3,
-                    "ref: httpx call -> first byte, kept-alive")
-            )
-            out.append(
-                Row(f"prompt write -> request at server p50, turns {TURNS - 19}-{TURNS}",
-                    p50(last) * 1e3, p50(first) * 1e3, "ms", "< 2 ms, flat",
-                    p50(last) < 2e-3, "ref: the same at turns 2-21")
-            )
-            out.append(
-                Row(f"TCP connections for {TURNS} turns", tiny.accepted, 1, "conn", "1",
-                    tiny.accepted == 1, "keep-alive (model list included)")
-            )
-        finally:
-            tiny.close()
-        # (4)
-        (base / "c").mkdir()
-        out += many_streams(base / "c", srv)
-    return out
+        direct_oh = overhead_direct(tiny)
+    finally:
+        tiny.close()
+    first, last = per_turn[1:21], per_turn[-20:]
+    return [
+        Row(
+            "prompt write -> request at server p50, turns 2-21",
+            p50(first) * 1e3,
+            p50(direct_oh) * 1e3,
+            "ms",
+            "< 2 ms",
+            p50(first) < 2e-3,
+            "ref: httpx call -> first byte, kept-alive",
+        ),
+        Row(
+            f"prompt write -> request at server p50, turns {TURNS - 19}-{TURNS}",
+            p50(last) * 1e3,
+            p50(first) * 1e3,
+            "ms",
+            "< 2 ms, flat",
+            p50(last) < 2e-3,
+            "ref: the same at turns 2-21",
+        ),
+        Row(
+            f"TCP connections for {TURNS} turns",
+            tiny.accepted,
+            1,
+            "conn",
+            "1",
+            tiny.accepted == 1,
+            "keep-alive (model list included)",
+        ),
+    ]
 
 
 def table(rs: Sequence[Row]) -> str:
@@ -542,12 +621,23 @@ def table(rs: Sequence[Row]) -> str:
     for r in rs:
         ratio = "-" if not r.ref else f"{r.ours / r.ref:.2f}x"
         verdict = "" if r.ok is None else ("OK" if r.ok else "MISS")
-        lines.append((r.name, _num(r.ours), "-" if r.ref is None else _num(r.ref), ratio,
-                      r.unit, r.target, verdict, r.note))
+        lines.append(
+            (
+                r.name,
+                _num(r.ours),
+                "-" if r.ref is None else _num(r.ref),
+                ratio,
+                r.unit,
+                r.target,
+                verdict,
+                r.note,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
     return "\n".join(
-        ("  ".join(c.ljust(w) for c, w in zip(line[:-1], widths, strict=True)) + "  " + line[-1])
-        .rstrip()
+        (
+            "  ".join(c.ljust(w) for c, w in zip(line[:-1], widths, strict=True)) + "  " + line[-1]
+        ).rstrip()
         for line in lines
     )
 

@@ -427,6 +427,52 @@ def httpx_errors(provider: str = "", secrets: Secrets = None) -> Iterator[None]:
         raise transport_error(exc, provider, secrets) from exc
 
 
+# ---- coalescing ----------------------------------------------------------------------------
+
+
+def coalesce(events: list[StreamEvent]) -> list[StreamEvent]:
+    """Merge runs of ``content`` (and of ``reasoning``) deltas into one event each.
+
+    Called on what the parser read from one network read: those deltas arrived together,
+    so nobody can tell them apart by time, and the agent, the session journal and every
+    reader of ``stream`` then handle one delta per read instead of one per token. At 50
+    bytes a delta a 10 MB reply is 200,000 deltas but only a few hundred reads; a token
+    that arrives alone (a model generating slower than the network) still travels alone,
+    at once. Only deltas that differ in nothing but their text are merged, and the order
+    of everything else is kept.
+    """
+    if len(events) < 2:
+        return events
+    out: list[StreamEvent] = []
+    run: list[str] = []
+    first: StreamEvent | None = None
+    for ev in events:
+        if (
+            first is not None
+            and ev.kind == first.kind
+            and ev.response_id == first.response_id
+            and not ev.provider_data
+        ):
+            run.append(ev.text)
+            continue
+        if first is not None:
+            out.append(_joined(first, run))
+            first, run = None, []
+        if ev.kind in ("content", "reasoning") and not ev.provider_data:
+            first, run = ev, [ev.text]
+        else:
+            out.append(ev)
+    if first is not None:
+        out.append(_joined(first, run))
+    return out
+
+
+def _joined(first: StreamEvent, texts: list[str]) -> StreamEvent:
+    if len(texts) == 1:
+        return first
+    return StreamEvent(first.kind, text="".join(texts), response_id=first.response_id)
+
+
 # ---- the request cycle ---------------------------------------------------------------------
 
 
@@ -452,6 +498,17 @@ async def open_body(response: httpx.Response) -> AsyncIterator[AsyncIterator[byt
 def content_type(response: httpx.Response) -> str:
     value: str = response.headers.get("content-type", "")
     return value.split(";")[0].strip().lower()
+
+
+# Connections to a provider are kept for the next request. httpx drops an idle one after
+# 5 s by default, shorter than the pause between two prompts of a person, so nearly every
+# turn paid a new TCP (and TLS) handshake; a minute covers a conversation's rhythm and
+# stays under the idle timeout of the usual servers and proxies (60-120 s), and a
+# connection the server closed anyway is seen as closed when it is taken from the pool.
+KEEPALIVE_SECONDS = 55.0
+_LIMITS = httpx.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_SECONDS
+)
 
 
 class HTTPBackend:
@@ -483,6 +540,7 @@ class HTTPBackend:
             base_url=base_url,
             headers=dict(headers or {}),
             timeout=httpx.Timeout(read_timeout, connect=10.0),
+            limits=_LIMITS,
             transport=transport,
         )
 
@@ -544,12 +602,12 @@ class HTTPBackend:
     ) -> AsyncGenerator[StreamEvent, None]:
         with self._errors():
             async for chunk in chunks:
-                for event in parser.feed(chunk):
+                for event in coalesce(parser.feed(chunk)):
                     yield event
                 if parser.done:
                     break
             else:
-                for event in parser.close():
+                for event in coalesce(parser.close()):
                     yield event
                 if not parser.done:
                     raise StreamDropError(f"{self.name}: the stream ended before its end marker")

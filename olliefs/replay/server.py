@@ -107,6 +107,7 @@ class _HTTPServer(ThreadingHTTPServer):
         )
         with self.conn_lock:
             self.connections[request] = t
+            self.replay.accepted += 1
         t.start()
 
     def shutdown_request(self, request: Any) -> None:
@@ -538,6 +539,7 @@ class ReplayServer:
         self._stopping = threading.Event()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.accepted = 0  # TCP connections accepted so far (keep-alive tests count them)
 
     @property
     def then(self) -> str:

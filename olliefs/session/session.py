@@ -139,13 +139,6 @@ class Session:
         self.plan = ""
         self.models_text = ""  # the ``models`` file (filled from the backend pool)
         self.queued = trio.lowlevel.ParkingLot()  # fifo.out readers wait here
-        # Streamed deltas not shown nor journaled yet (see ``emit``): their role, the
-        # response they belong to, the time of the first, their texts.
-        self._delta_role: EventRole = "assistant"
-        self._delta_rid = ""
-        self._delta_ts = 0.0
-        self._deltas: list[str] = []
-        self._flush_lot = trio.lowlevel.ParkingLot()  # the flusher task waits here
         self._streamed = persist.StreamedText()
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
@@ -199,8 +192,6 @@ class Session:
     # ---- output (also the AgentHost side) -------------------------------------------
 
     def record(self, rec: Record) -> None:
-        if self._deltas:
-            self.flush_deltas()  # the journal keeps the order things happened in
         if not self._replaying:
             self.journal.append(self._streamed.pack(rec))
 
@@ -209,50 +200,15 @@ class Session:
     ) -> None:
         """One event: journaled, then shown in ``chat``, ``events`` and the root ``events``.
 
-        Streamed deltas (``assistant`` and ``reasoning``) are coalesced first: a delta
-        only joins a list, and the session's flusher task, woken by the first delta of a
-        batch, makes one event of everything that arrived meanwhile, that is of every
-        delta the backend parsed from the bytes of one read (the stream yields to the
-        scheduler at each read, so the flusher runs before the next read's deltas). A
-        10 MB reply in 50-byte deltas is then a few hundred events, journal writes and
-        reader wake-ups instead of 200,000, and a token reaches a blocked reader one
-        scheduler pass later than it used to (microseconds). Any other event, and any
-        journal record, flushes the pending deltas first, so the order of things in the
-        journal, ``chat`` and ``events`` is the order they happened in; a session that
-        runs no flusher (not started yet, or replaying) shows every delta at once.
+        A streamed reply arrives here already coalesced: the backend makes one delta of
+        everything it parsed from one network read (``olliefs.backend.stream``), so a
+        10 MB reply in 50-byte deltas is a few hundred events, journal writes and reader
+        wake-ups, not 200,000; and ``message_added`` leaves the reply's text out of its
+        ``msg`` record when these events already hold it (``persist.StreamedText``).
         """
-        if role in ("assistant", "reasoning") and not name and self._nursery is not None:
-            if self._deltas and (role != self._delta_role or response_id != self._delta_rid):
-                self.flush_deltas()
-            if not self._deltas:
-                self._delta_role, self._delta_rid = role, response_id
-                self._delta_ts = time.time()
-                self._flush_lot.unpark_all()
-            self._deltas.append(content)
-            return
-        if self._deltas:
-            self.flush_deltas()
         ev = Event(time.time(), self.id, self.uid, role, name, content, response_id)
         self.record(persist.Ev(ev))
         self._show(ev)
-
-    def flush_deltas(self) -> None:
-        """Journal and show the pending deltas as one event (nothing if there are none)."""
-        if not self._deltas:
-            return
-        content = self._deltas[0] if len(self._deltas) == 1 else "".join(self._deltas)
-        self._deltas = []
-        ev = Event(
-            self._delta_ts, self.id, self.uid, self._delta_role, "", content, self._delta_rid
-        )
-        self.record(persist.Ev(ev))
-        self._show(ev)
-
-    async def _flusher(self) -> None:
-        """Flush the deltas of each batch once the task that parsed them yields."""
-        while True:
-            await self._flush_lot.park()
-            self.flush_deltas()
 
     def _show(self, ev: Event) -> None:
         self.renderer.render(ev)
@@ -352,7 +308,6 @@ class Session:
         with self._scope:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._flusher)
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
                 await self._build_current()
                 try:
@@ -387,7 +342,6 @@ class Session:
             log.exception("turn of session %s failed", self.id)
             self.emit("error", f"internal error: {type(err).__name__}: {err}")
         finally:
-            self.flush_deltas()
             self._turn_scope = None
             self._running_seq = None
             self.renderer.end_turn()
@@ -463,7 +417,6 @@ class Session:
 
     def close(self) -> None:
         """Stop everything; wake every reader so blocked reads end with EOF."""
-        self.flush_deltas()
         self.closed = True
         self.stop()
         self._scope.cancel()
