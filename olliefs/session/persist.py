@@ -143,6 +143,7 @@ Record = (
     | Replaced
 )
 
+
 class StreamedText:
     """Keeps a streamed reply's text out of its ``msg`` record: the journal holds it once.
 
