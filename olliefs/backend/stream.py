@@ -16,6 +16,7 @@ UTF-8 sequence, and msgspec decodes the JSON payloads straight from bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import (
     AsyncGenerator,
@@ -66,6 +67,11 @@ _NO_TOOLS_MARKERS = (
     "function calling is not enabled",  # Gemini
     "tool choice requires",  # vLLM started without a tool-call parser
 )
+
+# httpx logs every request at INFO ("HTTP Request: POST ... 200 OK"): a formatted line
+# and a write to the daemon's log for each model request, about 6% of what sending one
+# costs, and nothing the daemon does not say better itself when a request fails.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 Secrets = str | Sequence[str] | None
 _T = TypeVar("_T")
