@@ -19,7 +19,8 @@ asserts nothing; every reference is measured in the same run. ``bench/perf.py`` 
     first ``recv`` of each request. Reference: an httpx client on a kept-alive connection,
     from the call to the first byte (what HTTP itself costs).
 (4) 200 sessions streaming at once, 200 tokens/s each: a pacer thread sends every stream
-    one token each 5 ms; a ``cat`` per session follows ``stream`` into a file. Over a
+    one token each 5 ms (a late tick sends the tokens it owes in one write); a ``cat``
+    per session follows ``stream`` into a file. Over a
     window in which every stream is running: tokens offered (sent by the pacer) and
     delivered (bytes the readers got / token size) per second, and the daemon's CPU.
 
@@ -259,7 +260,9 @@ _STREAM_HEAD = (
 class Stream:
     def __init__(self, conn: socket.socket, tokens: int) -> None:
         self.conn = conn
+        self.total = tokens
         self.left = tokens
+        self.start = 0.0
         self.done = threading.Event()
 
 
@@ -267,7 +270,9 @@ class TinyServer:
     """HTTP/1.1 with keep-alive; notes the first ``recv`` of every POST; answers "ok" at
     once, or, when ``paced``, hands the stream to the pacer (one token a tick)."""
 
-    def __init__(self, paced_tokens: int = 0, rate: float = RATE, token: str = "tok|") -> None:
+    def __init__(
+        self, paced_tokens: int = 0, rate: float = RATE, token: str = "tok|", hold: int = 0
+    ) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -278,6 +283,8 @@ class TinyServer:
         self.interval = 1 / rate
         self.token = _frame(token)
         self.sent = 0  # tokens the pacer wrote
+        self.ticks = 0  # rounds of the pacer
+        self.hold = hold  # streams to wait for before pacing any
         self.streams: list[Stream] = []
         self.lock = threading.Lock()
         self.stopping = False
@@ -346,31 +353,38 @@ class TinyServer:
             conn.close()
 
     def _pace(self) -> None:
-        """Every tick, one token to every running stream (one ``send`` each)."""
+        """Each tick, every running stream gets the tokens it is due by now (``rate`` a
+        second from its start): one token a tick while the pacer keeps up; a tick that
+        comes late (a loaded machine) sends what it owes in one write, so the tokens
+        offered per second stay the nominal rate."""
         tail = b"%x\r\n%b\r\n0\r\n\r\n" % (len(_TAIL), _TAIL)
-        next_tick = time.monotonic()
+        rate = 1 / self.interval
         while not self.stopping:
-            next_tick += self.interval
+            now = time.monotonic()
+            self.ticks += 1
             with self.lock:
                 streams = list(self.streams)
+            if len(streams) < self.hold:
+                streams = []  # every stream starts together, once all have asked
             for s in streams:
                 try:
-                    if s.left:
-                        s.conn.send(self.token)
-                        s.left -= 1
-                        self.sent += 1
-                    else:
+                    if not s.start:
+                        s.start = now
+                    due = min(int((now - s.start) * rate) + 1, s.total) - s.total + s.left
+                    if due > 0:
+                        s.conn.send(self.token * due)
+                        s.left -= due
+                        self.sent += due
+                    elif not s.left:
                         s.conn.send(tail)
                         raise OSError
                 except OSError:
                     with self.lock:
                         self.streams.remove(s)
                     s.done.set()
-            delay = next_tick - time.monotonic()
+            delay = now + self.interval - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            else:
-                next_tick = time.monotonic()  # behind: no burst to catch up
 
 
 # ---- (3) prompt -> request ---------------------------------------------------------------
@@ -411,9 +425,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[Row]:
-    ramp_guess = 0.03 * SESSIONS + 2
-    tokens = int(RATE * (ramp_guess + window + 3))
-    srv = TinyServer(paced_tokens=tokens, rate=RATE)
+    tokens = int(RATE * (window + 3))
+    srv = TinyServer(paced_tokens=tokens, rate=RATE, hold=SESSIONS)
     d = Daemon(base, replay, {"OLLIE_OPENAI_URL": srv.url, "OLLIE_READ_TIMEOUT": "30"})
     d.start()
     outs: list[Path] = []
@@ -438,8 +451,11 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
 
         time.sleep(0.5)  # every stream past its first tokens
         b0, s0, c0, t0 = delivered(), srv.sent, cpu_seconds(pid), time.monotonic()
+        k0 = srv.ticks
         time.sleep(window)
         b1, s1, c1, t1 = delivered(), srv.sent, cpu_seconds(pid), time.monotonic()
+        ticks = (srv.ticks - k0) / (t1 - t0)
+        running = len(srv.streams)
         left = min((s.left for s in list(srv.streams)), default=0)
     finally:
         srv.close()
@@ -451,7 +467,8 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
     offered = (s1 - s0) / dt
     got = (b1 - b0) / 4 / dt
     cpu = (c1 - c0) / dt * 100
-    note = f"{SESSIONS} sessions x {RATE:g} tok/s; window {dt:.1f} s"
+    note = f"{SESSIONS} sessions x {RATE:g} tok/s; window {dt:.1f} s; pacer {ticks:.0f} rounds/s"
+    note += f"; {running} streams running"
     if left == 0:
         note += "; WARNING: some stream ended inside the window"
     return [
@@ -574,7 +591,7 @@ def overhead(base: Path, srv: ReplayServer) -> list[Row]:
     tiny = TinyServer()
     try:
         base.mkdir()
-        d = Daemon(base, srv, {"OLLIE_OPENAI_URL": tiny.url})
+        d = Daemon(base, srv, {"OLLIE_OPENAI_URL": tiny.url, "OLLIE_READ_TIMEOUT": "60"})
         d.start()
         try:
             per_turn = overhead_olliefs(d, tiny, TURNS)

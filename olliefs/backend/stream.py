@@ -518,14 +518,16 @@ def content_type(response: httpx.Response) -> str:
     return value.split(";")[0].strip().lower()
 
 
-# Connections to a provider are kept for the next request. httpx drops an idle one after
-# 5 s by default, shorter than the pause between two prompts of a person, so nearly every
-# turn paid a new TCP (and TLS) handshake; a minute covers a conversation's rhythm and
-# stays under the idle timeout of the usual servers and proxies (60-120 s), and a
-# connection the server closed anyway is seen as closed when it is taken from the pool.
+# Connections to a provider: as many at once as sessions stream (httpx allows 100 by
+# default, so the 101st of 200 streaming sessions waited for a free one), and kept for the
+# next request. httpx drops an idle one after 5 s by default, shorter than the pause
+# between two prompts of a person, so nearly every turn paid a new TCP (and TLS)
+# handshake; a minute covers a conversation's rhythm and stays under the idle timeout of
+# the usual servers and proxies (60-120 s), and a connection the server closed anyway is
+# seen as closed when it is taken from the pool. Up to 256 idle ones are kept.
 KEEPALIVE_SECONDS = 55.0
 _LIMITS = httpx.Limits(
-    max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_SECONDS
+    max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_SECONDS
 )
 
 
