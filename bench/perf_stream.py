@@ -20,8 +20,8 @@ asserts nothing; every reference is measured in the same run. ``bench/perf.py`` 
     from the call to the first byte (what HTTP itself costs).
 (4) 200 sessions streaming at once, 200 tokens/s each: a pacer thread sends every stream
     one token each 5 ms (a late tick sends the tokens it owes in one write); a ``cat``
-    per session follows ``stream`` into a file. Over a
-    window in which every stream is running: tokens offered (sent by the pacer) and
+    per session follows ``stream`` into a file. Over a window in which every stream is
+    running: tokens offered (sent by the pacer) and
     delivered (bytes the readers got / token size) per second, and the daemon's CPU.
 
 ``STREAM_SESSIONS`` / ``STREAM_RATE`` / ``STREAM_TURNS`` change the sizes of (4) and (3);
@@ -59,8 +59,8 @@ GAP = 0.01
 BIG = 10 * 1000 * 1000
 
 
-# The same Row as bench/perf_common.py (helper "perffs"); defined here too so this script
-# runs on a tree where that module is not merged yet.
+# The same Row as bench/perf_common.py (helper "perffs"; ``perf.py`` prints these rows with
+# its ``table``), defined here too so this script runs on a tree without that module.
 @dataclass
 class Row:
     name: str
@@ -70,6 +70,12 @@ class Row:
     target: str
     ok: bool | None
     note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ref is None or self.ref == 0:
+            return None
+        return self.ours / self.ref
 
 
 def p50(xs: Sequence[float]) -> float:
@@ -285,6 +291,7 @@ class TinyServer:
         self.sent = 0  # tokens the pacer wrote
         self.ticks = 0  # rounds of the pacer
         self.hold = hold  # streams to wait for before pacing any
+        self.started = threading.Event()  # set when they are all there
         self.streams: list[Stream] = []
         self.lock = threading.Lock()
         self.stopping = False
@@ -364,8 +371,10 @@ class TinyServer:
             self.ticks += 1
             with self.lock:
                 streams = list(self.streams)
-            if len(streams) < self.hold:
+            if len(streams) < self.hold and not self.started.is_set():
                 streams = []  # every stream starts together, once all have asked
+            elif self.hold:
+                self.started.set()
             for s in streams:
                 try:
                     if not s.start:
@@ -440,16 +449,15 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
                 cats.append(subprocess.Popen(["cat", str(d.p(f"s/{sid}/stream"))], stdout=f))
         for sid in sids:
             d.prompt(sid, "go")
-        for _ in sids:
-            if not srv.posted.acquire(timeout=60):
-                raise RuntimeError("not every session reached the server")
+        if not srv.started.wait(120):
+            raise RuntimeError("not every session reached the server")
         assert d.proc is not None
         pid = d.proc.pid
 
         def delivered() -> int:
             return sum(p.stat().st_size for p in outs)
 
-        time.sleep(0.5)  # every stream past its first tokens
+        time.sleep(0.5)  # every stream well started
         b0, s0, c0, t0 = delivered(), srv.sent, cpu_seconds(pid), time.monotonic()
         k0 = srv.ticks
         time.sleep(window)
@@ -597,6 +605,7 @@ def overhead(base: Path, srv: ReplayServer) -> list[Row]:
             per_turn = overhead_olliefs(d, tiny, TURNS)
         finally:
             d.stop()
+        conns = tiny.accepted  # before the reference client opens its own
         direct_oh = overhead_direct(tiny)
     finally:
         tiny.close()
@@ -622,11 +631,11 @@ def overhead(base: Path, srv: ReplayServer) -> list[Row]:
         ),
         Row(
             f"TCP connections for {TURNS} turns",
-            tiny.accepted,
+            conns,
             1,
             "conn",
             "1",
-            tiny.accepted == 1,
+            conns == 1,
             "keep-alive (model list included)",
         ),
     ]
