@@ -407,8 +407,11 @@ class CollectedHandle(Handle):
     """Written like a file on disk (O_TRUNC, writes at offsets, ftruncate), applied
     whole when the writer closes it: an editor's save replaces the content once."""
 
-    def __init__(self, node: Collected, trunc: bool) -> None:
+    def __init__(self, node: Collected, trunc: bool, append: bool = False) -> None:
         self.node = node
+        # O_APPEND: every write goes to the end of this handle's text. The kernel's offset
+        # is the size the file reported, which is the saved text, not this handle's.
+        self.append = append
         self.buf = bytearray(b"" if trunc else node.render().encode())
         self.dirty = trunc  # as on a disk, ``: > plan`` empties it even with no write
 
@@ -416,6 +419,8 @@ class CollectedHandle(Handle):
         return bytes(self.buf[off : off + size])
 
     async def write(self, off: int, data: bytes) -> int:
+        if self.append:
+            off = len(self.buf)
         if off > len(self.buf):
             self.buf += b"\0" * (off - len(self.buf))
         self.buf[off : off + len(data)] = data
@@ -461,7 +466,9 @@ class Collected(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return CollectedHandle(self, bool(how.flags & os.O_TRUNC))
+        return CollectedHandle(
+            self, bool(how.flags & os.O_TRUNC), bool(how.flags & os.O_APPEND)
+        )
 
 
 # ---- logs and blocking reads ---------------------------------------------------------
@@ -489,6 +496,10 @@ class LogHandle(Handle):
         self.log = log
         self.blocking = blocking
         self.how = how
+        log.hold()  # a removed session's log file stays readable while this is open
+
+    def release(self) -> None:
+        self.log.let_go()
 
     async def read(self, off: int, size: int) -> bytes:
         if self.blocking:

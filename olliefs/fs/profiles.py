@@ -96,6 +96,9 @@ class ProfileHandle(Handle):
 class ProfileFile(File):
     perm = 0o644
     direct_io = True
+    # Looked up afresh each time: a create refused at its first write or at close
+    # leaves no profile, and the kernel must not go on showing the name it was told of.
+    entry_ttl = 0.0
 
     def __init__(self, folder: ProfilesDir, name: str) -> None:
         self.key = ("a", name)
