@@ -47,7 +47,7 @@ class GrowingLog:
             # discard when no handle reads it: a session is often in a reference cycle,
             # and waiting for the garbage collector kept a removed session's files open
             # (and their disk space taken) for as long as the daemon stayed quiet.
-            self._finalizer = weakref.finalize(self, os.close, self._fd)
+            self._finalizer = weakref.finalize(self, os.close, self._fd)  # type: ignore[arg-type]
         self.closed = False
         self._discarded = False
         self.mtime = time.time()

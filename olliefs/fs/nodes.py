@@ -466,9 +466,7 @@ class Collected(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return CollectedHandle(
-            self, bool(how.flags & os.O_TRUNC), bool(how.flags & os.O_APPEND)
-        )
+        return CollectedHandle(self, bool(how.flags & os.O_TRUNC), bool(how.flags & os.O_APPEND))
 
 
 # ---- logs and blocking reads ---------------------------------------------------------

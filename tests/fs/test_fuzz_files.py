@@ -34,6 +34,7 @@ from __future__ import annotations
 import codecs
 import errno
 import hashlib
+import itertools
 import os
 import re
 import threading
@@ -61,7 +62,7 @@ FUZZ = settings(
 )
 # A "huge" write: several MiB in one write(2) (the kernel splits it into FUSE requests
 # of max_write bytes; the daemon must treat them as one request or refuse them all).
-HUGE = 3 << 20
+HUGE = 2 << 20
 MAN = Path(__file__).resolve().parents[2] / "man" / "ollie.5"
 
 # The errnos ollie(5) lists for each writable file (ERRORS and the file's entry).
@@ -246,7 +247,7 @@ def split_utf8(draw: st.DrawFn) -> list[bytes]:
     data = draw(st.text(max_size=40).map(str.encode) | nonascii.map(str.encode))
     cuts = sorted(draw(st.sets(st.integers(0, len(data)), max_size=4)))
     bounds = [0, *cuts, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 chunk = st.one_of(
@@ -315,7 +316,7 @@ def opened(d: Daemon, rel: str, flags: int) -> int:
 # ---- control files: one request per write(2) -----------------------------------------
 
 CTL_SAFE = ["stop", "maxsteps", "tool_load", "tool_unload", "queue", "models", "inject"]
-CTL_WORDS = CTL_SAFE + ["clear", "rewind", "backend", "model", "cwd", "agent", "irw"]
+CTL_WORDS = [*CTL_SAFE, "clear", "rewind", "backend", "model", "cwd", "agent", "irw"]
 ctl_line = st.one_of(
     st.tuples(st.sampled_from(CTL_WORDS), st.sampled_from(["", " "]), text),
     st.tuples(
@@ -348,7 +349,9 @@ cfg_value = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(str),
     st.sampled_from(["", "replay", "openai", "nope", "/", "relative", "~", "1e3", "0x10"]),
 )
-cfg_line = st.tuples(st.sampled_from([*CFG_KEYS, "nope", ""]), st.sampled_from(["=", ""]), cfg_value)
+cfg_line = st.tuples(
+    st.sampled_from([*CFG_KEYS, "nope", ""]), st.sampled_from(["=", ""]), cfg_value
+)
 
 
 def request(lines: st.SearchStrategy[str]) -> st.SearchStrategy[bytes]:
@@ -545,6 +548,8 @@ def _disk_model(initial: bytes, flags: int, ops: list[tuple[str, bytes, int]]) -
         if kind == "ftruncate":
             buf = buf[:off] + bytearray(max(0, off - len(buf)))
             continue
+        if not data:
+            continue  # write(2) of nothing changes nothing, not even the size
         at = len(buf) if flags & os.O_APPEND else (off if kind == "pwrite" else pos)
         if at > len(buf):
             buf += bytearray(at - len(buf))
@@ -689,7 +694,7 @@ def test_fuzz_profile_and_skill(
                 fresh.count(f"{kind}/ write refused {errno.errorcode.get(refused)}")
                 assert refused in ERRNOS[what], f"{rel}: errno {refused} not listed"
                 assert rd(d, "err").strip(), f"{rel}: refused with no reason in err"
-            else:
+            elif data or k == "ftruncate":  # write(2) of nothing never reaches the daemon
                 accepted.append((k, data, off))
     finally:
         closed = close(fd)
@@ -701,12 +706,13 @@ def test_fuzz_profile_and_skill(
         assert now == old, f"{rel}: changed though its close was refused: {old!r} -> {now!r}"
         return
     want = bytes(_disk_model(old or b"", OPENS[how], accepted))
-    if accepted or OPENS[how] & os.O_TRUNC or old is None:
+    if accepted:
         fresh.count(f"{kind}/ saved")
         # Saved: exactly the bytes the accepted calls wrote, as a disk would hold them.
         assert now == want, f"{rel}: saved {now!r}, written {want!r}"
     else:
-        assert now == old
+        # Nothing written: the profile or skill stays as it was (a new one is not made).
+        assert now == old, f"{rel}: {old!r} -> {now!r} with no write accepted"
 
 
 # ---- read-only files stay read-only --------------------------------------------------
@@ -770,7 +776,9 @@ def man_modes() -> dict[str, str]:
         assert m, f"ollie(5) line {i + 2}: an entry without a name"
         tag = "".join(p.strip('"') for p in re.findall(r'"[^"]*"|\S+', m.group(1)))
         mode = lines[i + 2].replace("\\-", "-")
-        out[tag.replace("\\-", "-")] = " ".join(re.findall(r"(?:^|(?<=[\s(]))[r-][w-][x-](?=[.\s),]|$)", mode))
+        out[tag.replace("\\-", "-")] = " ".join(
+            re.findall(r"(?:^|(?<=[\s(]))[r-][w-][x-](?=[.\s),]|$)", mode)
+        )
     return out
 
 
@@ -865,22 +873,21 @@ def test_fuzz_create_names(fresh: Fuzzed, folder: str, name: str, mkdir: bool) -
         os.unlink(d.p(rel))
 
 
-@given(path=st.sampled_from(["help", "backends", "err", "s/idx", "t/idx", "sk/idx", "p", "u"]))
-@FUZZ
-def test_read_only_files_refuse_writers(fresh: Fuzzed, path: str) -> None:
+def test_read_only_files_refuse_writers(fresh: Fuzzed) -> None:
+    """Every file of the live tree that is not writable refuses a writer with EACCES
+    (open for writing, O_TRUNC, O_APPEND, truncate) and nothing changes."""
     d = fresh.d
-    targets = [path]
-    if os.path.isdir(d.p(path)):
-        targets = [f"{path}/{n}" for n in os.listdir(d.p(path))]
-    sid = fresh.sid
-    targets += [
-        f"s/{sid}/{n}" for n in ("chat", "state", "err", "offset", "env", "tools", "context")
-    ]
-    for rel in targets:
-        before = tree_view(d)
-        for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
+    before = tree_view(d)
+    plan = rd(d, f"s/{fresh.sid}/plan")
+    tried = 0
+    for rel, st_ in walk(d):
+        if not os.path.isfile(d.p(rel)) or st_.st_mode & 0o222:
+            continue
+        tried += 1
+        for flags in (os.O_WRONLY, os.O_RDWR | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
             try:
-                os.close(os.open(d.p(rel), flags))
+                with deadline(20):
+                    os.close(os.open(d.p(rel), flags))
             except OSError as e:
                 assert e.errno == errno.EACCES, f"{rel}: {e}"
             else:
@@ -891,7 +898,10 @@ def test_read_only_files_refuse_writers(fresh: Fuzzed, path: str) -> None:
             assert e.errno in (errno.EACCES, errno.EPERM), f"truncate {rel}: {e}"
         else:
             raise AssertionError(f"{rel} truncated")
-        assert tree_view(d) == before
+    fresh.counts["read-only files tried"] = tried
+    assert tried > 40, "the walk found too few read-only files"
+    assert tree_view(d) == before
+    assert rd(d, f"s/{fresh.sid}/plan") == plan
 
 
 # ---- huge and concurrent writes ------------------------------------------------------
@@ -933,8 +943,8 @@ def test_huge_writes(fresh: Fuzzed) -> None:
         assert not d.p(rel).exists()
     # A huge prompt, in a session of its own (its context is then huge), is submitted.
     big = d.new(name="fzhuge")
-    d.prompt(big, "h" * HUGE)
-    assert d.p(f"s/{big}/prompt.prev").stat().st_size == HUGE + 1
+    d.prompt(big, "h" * (HUGE // 4))  # its turn sends it and echoes it: kept smaller
+    assert d.p(f"s/{big}/prompt.prev").stat().st_size == HUGE // 4 + 1
     d.wait_idle(big)
     os.rmdir(d.p(f"s/{big}"))
 
@@ -945,10 +955,10 @@ def test_concurrent_writers(fresh: Fuzzed) -> None:
     d, sid = fresh.d, fresh.sid
     d.write(f"s/{sid}/plan", "")
     errors: list[str] = []
-    n = 6
+    n = 4
 
     def ctl(i: int) -> None:
-        for j in range(20):
+        for j in range(9):
             fd = os.open(d.p(f"s/{sid}/{'ctl' if j % 2 else 'cfg'}"), os.O_WRONLY)
             err = call(fd, "write", [b"maxsteps 50", b"bogus", b"temperature=0.5"][j % 3], 0)
             os.close(fd)
@@ -956,7 +966,7 @@ def test_concurrent_writers(fresh: Fuzzed) -> None:
                 errors.append(f"ctl/cfg: {err}")
 
     def prompt(i: int) -> None:
-        for j in range(5):
+        for j in range(2):
             fd = os.open(d.p(f"s/{sid}/{'fifo.in' if j % 2 else 'prompt'}"), os.O_WRONLY)
             for piece in ("caf\u00e9 ".encode()[:4], "caf\u00e9 ".encode()[4:], f"{i}".encode()):
                 if call(fd, "write", piece, 0):
@@ -978,9 +988,7 @@ def test_concurrent_writers(fresh: Fuzzed) -> None:
                 errors.append("plan close failed")
 
     threads = [
-        threading.Thread(target=fn, args=(i,))
-        for i in range(n)
-        for fn in (ctl, prompt, disk, plan)
+        threading.Thread(target=fn, args=(i,)) for i in range(n) for fn in (ctl, prompt, disk, plan)
     ]
     with deadline(120):
         for t in threads:
