@@ -1006,3 +1006,92 @@ def test_concurrent_writers(fresh: Fuzzed) -> None:
     # Each writer's close replaces the plan whole: it is some writer's view, never torn.
     assert all(re.fullmatch(r"- \[ \] step \d", line) for line in plan_text.splitlines())
     d.write(f"s/{sid}/plan", "")
+
+
+# ---- regressions: what the fuzzers found, one test each -------------------------------
+
+
+def test_non_utf8_control_write_says_why(fresh: Fuzzed) -> None:
+    d, sid = fresh.d, fresh.sid
+    for name in ("ctl", "cfg"):
+        before = session_view(d, sid)
+        fd = opened(d, f"s/{sid}/{name}", os.O_WRONLY)
+        err = call(fd, "write", b"stop\xff", 0)
+        close(fd)
+        assert_refused_in_session(d, sid, before, name, err, {errno.EINVAL})
+        assert rd(d, f"s/{sid}/err") == f"{name}: not valid UTF-8\n"
+    before_tree = tree_view(d)
+    fd = opened(d, "s/new", os.O_WRONLY)
+    err = call(fd, "write", b"cwd=/\xff", 0)
+    close(fd)
+    assert_refused_at_root(d, before_tree, "s/new", err, {errno.EINVAL})
+    assert rd(d, "err") == "s/new: not valid UTF-8\n"
+
+
+def test_refused_peer_write_is_the_writers(fresh: Fuzzed) -> None:
+    d, sid, peer = fresh.d, fresh.sid, fresh.peer
+    theirs = session_view(d, peer)
+    before = session_view(d, sid)
+    fd = opened(d, f"s/{sid}/peer/{peer}", os.O_WRONLY)
+    err = call(fd, "write", b"\xff", 0)
+    close(fd)
+    assert_refused_in_session(d, sid, before, "peer", err, {errno.EINVAL})
+    assert session_view(d, peer) == theirs  # the peer was never reached
+
+
+def test_plan_truncate_and_append_as_on_a_disk(fresh: Fuzzed) -> None:
+    d, sid = fresh.d, fresh.sid
+    plan = d.p(f"s/{sid}/plan")
+    d.write(f"s/{sid}/plan", "- [ ] one\n")
+    os.close(os.open(plan, os.O_WRONLY | os.O_TRUNC))  # : > plan
+    assert rd(d, f"s/{sid}/plan") == ""
+    fd = os.open(plan, os.O_RDWR)
+    os.ftruncate(fd, 3)
+    assert close(fd) == 0
+    assert rd(d, f"s/{sid}/plan") == "\0\0\0"
+    d.write(f"s/{sid}/plan", "ab")
+    fd = os.open(plan, os.O_WRONLY | os.O_APPEND)
+    os.ftruncate(fd, 0)
+    os.write(fd, b"x")
+    os.write(fd, b"y")
+    assert close(fd) == 0
+    assert rd(d, f"s/{sid}/plan") == "xy"
+    d.write(f"s/{sid}/plan", "")
+
+
+def test_a_tool_script_toolsrv_refuses_leaves_t_listable(fresh: Fuzzed) -> None:
+    d = fresh.d
+    d.p("t/fzjunk").write_bytes(b"\xff not a tool\n")
+    try:
+        assert "fzjunk" in os.listdir(d.p("t"))  # was EIO (an ExceptionGroup escaped)
+        assert "fzjunk\t" not in rd(d, "t/idx")
+    finally:
+        d.p("t/fzjunk").unlink()
+
+
+def test_refused_profile_or_skill_create_leaves_no_name(fresh: Fuzzed) -> None:
+    d = fresh.d
+    for rel, bad, good in (
+        ("a/fzre.json", b"[1]", b'{"description": "x"}'),
+        ("sk/fzre.md", b"no front matter\n", b"---\nname: n\ndescription: d\n---\n"),
+    ):
+        fd = os.open(d.p(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        refused = call(fd, "write", bad, 0)
+        closed = close(fd)
+        assert errno.EINVAL in (refused, closed), f"{rel}: {refused} {closed}"
+        assert rd(d, "err").startswith(("a/fzre.json", "sk/")), rd(d, "err")
+        assert not d.p(rel).exists(), f"{rel} is shown though it was never made"
+        d.p(rel).write_bytes(good)  # writing the name again works at once
+        assert d.p(rel).read_bytes() == good
+        d.p(rel).unlink()
+
+
+def test_removed_session_frees_its_log_files(fresh: Fuzzed) -> None:
+    d = fresh.d
+    sid = d.new(name="fzgone")
+    d.prompt(sid, "hello")
+    d.wait_idle(sid)
+    for name in ("chat", "events", "state", "cfg"):
+        d.p(f"s/{sid}/{name}").stat()  # the kernel now holds these nodes
+    os.rmdir(d.p(f"s/{sid}"))
+    d.wait_for(lambda: not any(sid in t or "(deleted)" in t for t in fresh.fd_targets()))
