@@ -75,7 +75,10 @@ class ProfileHandle(Handle):
         return len(data)
 
     def truncate(self, size: int) -> None:
+        # Cut, or extend as a write past the end does: with spaces, which JSON allows
+        # between tokens, where a disk would put NUL bytes no document can hold.
         del self.buf[size:]
+        self.buf += b" " * (size - len(self.buf))
         self.checker = ProfileChecker() if size == 0 else None
         self.dirty = True
 

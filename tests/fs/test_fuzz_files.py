@@ -540,19 +540,22 @@ def test_fuzz_prompt(
 # ---- plan: a file on disk, applied whole at close ------------------------------------
 
 
-def _disk_model(initial: bytes, flags: int, ops: list[tuple[str, bytes, int]]) -> bytearray:
-    """What a file on disk holds after these calls on one descriptor."""
+def _disk_model(
+    initial: bytes, flags: int, ops: list[tuple[str, bytes, int]], fill: bytes = b"\0"
+) -> bytearray:
+    """What a file on disk holds after these calls on one descriptor (a profile fills
+    what a write past the end or an ftruncate adds with spaces, not NUL bytes)."""
     buf = bytearray(b"" if flags & os.O_TRUNC else initial)
     pos = 0
     for kind, data, off in ops:
         if kind == "ftruncate":
-            buf = buf[:off] + bytearray(max(0, off - len(buf)))
+            buf = buf[:off] + bytearray(fill * max(0, off - len(buf)))
             continue
         if not data:
             continue  # write(2) of nothing changes nothing, not even the size
         at = len(buf) if flags & os.O_APPEND else (off if kind == "pwrite" else pos)
         if at > len(buf):
-            buf += bytearray(at - len(buf))
+            buf += bytearray(fill * (at - len(buf)))
         buf[at : at + len(data)] = data
         if kind == "write":
             pos = at + len(data)
@@ -705,7 +708,7 @@ def test_fuzz_profile_and_skill(
         assert rd(d, "err").strip(), f"{rel}: refused with no reason in err"
         assert now == old, f"{rel}: changed though its close was refused: {old!r} -> {now!r}"
         return
-    want = bytes(_disk_model(old or b"", OPENS[how], accepted))
+    want = bytes(_disk_model(old or b"", OPENS[how], accepted, b" " if kind == "a" else b"\0"))
     if accepted:
         fresh.count(f"{kind}/ saved")
         # Saved: exactly the bytes the accepted calls wrote, as a disk would hold them.
@@ -831,7 +834,7 @@ def test_every_writable_file_is_fuzzed(fresh: Fuzzed) -> None:
 @given(
     folder=st.sampled_from(["a", "m", "s", "sk", "t", "tmp", "tr", "p", "u", "x", "peer", ""]),
     name=st.one_of(
-        st.text(st.characters(exclude_characters="/\x00"), min_size=1, max_size=40),
+        st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=40),
         st.sampled_from(["idx", "new", ".", "..", "x" * 256, "fz", "fz.json", "fz.md"]),
     ),
     mkdir=st.booleans(),
@@ -866,6 +869,10 @@ def test_fuzz_create_names(fresh: Fuzzed, folder: str, name: str, mkdir: bool) -
         return
     fresh.count(f"created in {folder or '/'}")
     assert folder in ("a", "m", "sk", "t", "tmp"), f"created {rel} in a read-only folder"
+    if folder == "a" and not mkdir:
+        # A profile is made by its first valid close: an empty create makes none.
+        assert not os.path.lexists(d.p(rel)) or existed
+        return
     assert os.path.lexists(d.p(rel))
     if os.path.isdir(d.p(rel)):
         os.rmdir(d.p(rel))
