@@ -363,12 +363,19 @@ def request(lines: st.SearchStrategy[str]) -> st.SearchStrategy[bytes]:
 
 ctl_request = request(ctl_line)
 cfg_request = request(cfg_line.map(lambda t: "".join(t)))
-new_request = request(
+new_request = st.one_of(
+    # Mostly valid: a name (valid or not, taken or not) and an existing cwd.
     st.tuples(
-        st.sampled_from(["name", "cwd", "backend", "model", "agent", "nope", ""]),
-        st.sampled_from(["=", ""]),
-        st.one_of(text, st.sampled_from(["/", "/nonexistent", "fz", "new", "a__b__c__d__e"])),
-    ).map(lambda t: "".join(t))
+        text | st.sampled_from(["fz", "fz__kid", "ok1", "a.b-c", "fz__n", "-x", "x" * 201]),
+        st.sampled_from(["", " backend=openai", " model=x", " agent=default", " agent=nope"]),
+    ).map(lambda t: f"cwd=/ name={t[0]}{t[1]}".encode()),
+    request(
+        st.tuples(
+            st.sampled_from(["name", "cwd", "backend", "model", "agent", "nope", ""]),
+            st.sampled_from(["=", ""]),
+            st.one_of(text, st.sampled_from(["/", "/nonexistent", "fz", "new", "a__b__c__d__e"])),
+        ).map(lambda t: "".join(t))
+    ),
 )
 
 
