@@ -32,13 +32,12 @@ import trio
 import trio.testing
 
 from ninep.client import Client, split_path
-from ninep.codec import OREAD, ORDWR, OWRITE, NinePError
+from ninep.codec import ORDWR, OREAD, OWRITE, NinePError
 from olliefs.testing import Daemon, deadline
 from tests.conftest import script
 
 LEFT_CLEAN = (
-    "9P client left: 0 connections, 0 fids, 0 requests in flight, 0 handles open,"
-    " 0 blocked reads"
+    "9P client left: 0 connections, 0 fids, 0 requests in flight, 0 handles open, 0 blocked reads"
 )
 
 
