@@ -506,6 +506,8 @@ async def serve(
                 tcp = await trio.open_tcp_listeners(a.port, host=a.host)
             except OSError as err:
                 raise AddressError(f"9P address {a}: {err.strerror or err}") from None
+            if export.key is None:
+                log.warning("9P export on %s has no key: every local user can use it", a)
             for t in tcp:
                 sockname = t.socket.getsockname()
                 listeners.append((t, False))

@@ -314,10 +314,17 @@ def ollie_mount(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[
     )
 
 
-def test_tcp_off_loopback_needs_the_flag_and_a_key(tmp_path: Path) -> None:
+@pytest.fixture
+def mnt(tmp_path: Path) -> Iterator[Path]:
+    """A mount point that is unmounted after the test, should a refusal fail to refuse."""
+    m = tmp_path / "mnt"
+    m.mkdir()
+    yield m
+    subprocess.run(["fusermount3", "-uz", str(m)], capture_output=True, check=False)
+
+
+def test_tcp_off_loopback_needs_the_flag_and_a_key(tmp_path: Path, mnt: Path) -> None:
     env = {**os.environ, "OLLIE_HOME": str(tmp_path / "home")}
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
     key = tmp_path / "key"
     key.write_text(secrets.token_hex(16) + "\n")
     key.chmod(0o600)
