@@ -69,6 +69,30 @@ async def serve(
     ready: Callable[[], None] | None = None,
     exports: Exports | None = None,
 ) -> None:
+    """Serve until stopped. A ``DaemonError`` raised inside the daemon's nursery comes
+    out of it wrapped in an ExceptionGroup (trio's strict groups); it is unwrapped here,
+    so the caller reports its one line instead of a traceback."""
+    try:
+        await _serve(mountpoint, paths, settings, ready, exports)
+    except BaseExceptionGroup as group:
+        found, rest = group.split(DaemonError)
+        if found is None or rest is not None:
+            raise
+        raise _first(found) from None
+
+
+def _first(group: BaseExceptionGroup[DaemonError]) -> DaemonError:
+    first = group.exceptions[0]
+    return first if isinstance(first, DaemonError) else _first(first)
+
+
+async def _serve(
+    mountpoint: str,
+    paths: Paths,
+    settings: Mapping[str, str],
+    ready: Callable[[], None] | None,
+    exports: Exports | None,
+) -> None:
     check_pyfuse3()
     max_waiters = int(settings.get("OLLIE_MAX_WAITERS") or 4096)
     async with trio.open_nursery() as nursery:

@@ -31,7 +31,7 @@ import pytest
 import trio
 import trio.testing
 
-from ninep.client import Client, split_path
+from ninep.client import Client, ConnectionLost, split_path
 from ninep.codec import ORDWR, OREAD, OWRITE, NinePError
 from olliefs.testing import Daemon, deadline
 from tests.conftest import script
@@ -298,6 +298,8 @@ async def test_flush_ends_a_blocked_read_and_frees_its_count(
                 seen = await follow(c, root, f"s/{sid}/stream", end)
             assert seen == d.read(f"s/{sid}/chat").encode()
     wait_left_clean(d)
+    d.stop()
+    assert not os.path.exists(sock)  # the socket file goes with the daemon
 
 
 # ---- TCP, remote, keys ---------------------------------------------------------------------
@@ -340,6 +342,9 @@ def test_tcp_off_loopback_needs_the_flag_and_a_key(tmp_path: Path, mnt: Path) ->
     assert r.returncode == 1 and "readable by others" in r.stderr
     r = ollie_mount("--9p", "udp:1.2.3.4:5", str(mnt), env=env)
     assert r.returncode == 1 and "unix:PATH or tcp:HOST:PORT" in r.stderr
+    # found only by the daemon (binding): one line all the same, nothing left mounted
+    r = ollie_mount("--9p", f"unix:{tmp_path}/no/such/dir/sock", str(mnt), env=env)
+    assert r.returncode == 1 and "9P socket" in r.stderr and "Traceback" not in r.stderr
     assert not os.listdir(mnt)  # nothing was mounted
 
 
@@ -403,4 +408,22 @@ async def test_loopback_tcp_needs_no_flag(daemon_factory: Callable[..., Daemon])
             root = await c.attach("me")
             sid = await new_session(c, root, f"cwd={d.work} name=overtcp")
             assert d.read(f"s/{sid}/state").strip() == "idle"
-    wait_left_clean(d)
+            # The daemon stops while a 9P read is blocked: the read ends (EOF, or the
+            # connection goes), and the daemon logs no error (checked at teardown).
+            fid = await c.walk(root, ["events"])
+            await c.open(fid, OREAD)
+            at = len(await c.read(fid, 0, 1 << 16))
+            got: list[bytes | None] = []
+
+            async def blocked() -> None:
+                try:
+                    got.append(await c.read(fid, at, 100))
+                except ConnectionLost:
+                    got.append(None)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocked)
+                await trio.testing.wait_all_tasks_blocked()
+                await c.stat(root)
+                await trio.to_thread.run_sync(d.stop)
+            assert got in ([b""], [None])
