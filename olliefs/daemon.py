@@ -25,7 +25,7 @@ import trio
 
 from olliefs.fs import ninep, spec
 from olliefs.fs.fuse import Operations, mount_options
-from olliefs.fs.nodes import Waiters
+from olliefs.fs.nodes import Node, Waiters
 from olliefs.session.registry import Registry
 from olliefs.settings import Paths
 
@@ -99,10 +99,19 @@ async def _serve(
         reg = Registry(paths, settings, mountpoint, nursery)
         reg.restore()
         ops = Operations(spec.root(reg), max_waiters)
+
+        def forget(d: Node, name: str) -> None:
+            # A name removed or renamed over 9P: without this the kernel would show it
+            # on the mount until its entry timeout. Asynchronous (a request may be in
+            # flight on it); ENOENT means the kernel never looked it up.
+            ino = ops._ino.get(d.key)  # the inode FUSE gave this directory, if any
+            if ino is not None:
+                pyfuse3.invalidate_entry_async(ino, name.encode(), ignore_enoent=True)
+
         if exports is not None:
             # The same root node serves both frontends. Listening before the mount
             # appears: once ``ollie mount`` says ready, 9P clients can connect too.
-            export = ninep.Export(ops.root, Waiters(max_waiters), exports.key)
+            export = ninep.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)
             try:
                 await nursery.start(ninep.serve, export, exports.addresses)
             except ninep.AddressError as err:

@@ -211,6 +211,9 @@ class Export:
     key: str | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     user: str = field(default_factory=_user)
+    # Called with (directory, name) after a name there went away or changed over 9P:
+    # the FUSE frontend drops the kernel's cached lookup of it (``daemon.py``).
+    forget: Callable[[Node, str], None] = lambda d, name: None
 
 
 class TreeFS(BaseFileSystem[Ref, Opened]):
@@ -343,6 +346,7 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
             await _translated(parent.node.rmdir(node.name))
         else:
             await _translated(parent.node.unlink(node.name))
+        self.export.forget(parent.node, node.name)
 
     async def wstat(self, node: Ref, stat: Stat) -> None:
         """stat(5)'s "don't touch" fields are skipped; the others are applied: a new
@@ -365,6 +369,7 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
             if parent.node.lookup(stat.name) is not None:
                 raise NinePError("file already exists")  # stat(5): no rename over a file
             await _translated(parent.node.rename(node.name, stat.name))
+            self.export.forget(parent.node, node.name)
             node.name = stat.name
         if stat.length != U64:
             if not (isinstance(n, File) and n.writable):

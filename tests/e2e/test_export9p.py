@@ -30,9 +30,10 @@ import py9p
 import pytest
 import trio
 import trio.testing
+from msgspec.structs import replace
 
 from ninep.client import Client, ConnectionLost, split_path
-from ninep.codec import ORDWR, OREAD, OWRITE, NinePError
+from ninep.codec import DMDIR, NOCHANGE, ORDWR, OREAD, OWRITE, NinePError
 from olliefs.testing import Daemon, deadline
 from tests.conftest import script
 
@@ -235,7 +236,39 @@ async def test_own_client_two_followers_get_every_byte(
             # ...and removed through 9P, gone from the mount
             fid = await a.walk(ra, split_path(f"s/{other}"))
             await a.remove(fid)
-            assert not d.p(f"s/{other}").exists()
+            d.wait_for(lambda: not d.p(f"s/{other}").exists())
+            # mv s/ID s/moved: a Twstat of the name
+            fid = await a.walk(ra, split_path(f"s/{sid}"))
+            await a.wstat(fid, replace(NOCHANGE, name="moved"))
+            await a.clunk(fid)
+            assert "moved" in os.listdir(d.p("s")) and sid not in os.listdir(d.p("s"))
+            # The kernel's cached lookups of a name changed over 9P are dropped (at
+            # once, asynchronously: waited for rather than assumed).
+            # files on disk: create, truncate, rename, mkdir, remove
+            fid = await a.walk(ra, ["tmp"])
+            await a.create(fid, "note", 0o644, OWRITE)
+            await a.write(fid, 0, b"hello\n")
+            await a.clunk(fid)
+            assert d.p("tmp/note").read_bytes() == b"hello\n"
+            fid = await a.walk(ra, ["tmp", "note"])
+            await a.wstat(fid, replace(NOCHANGE, length=2))
+            await a.wstat(fid, replace(NOCHANGE, name="renamed"))
+            assert (await a.stat(fid)).name == "renamed"
+            await a.clunk(fid)
+            assert d.p("tmp/renamed").read_bytes() == b"he"
+            d.wait_for(lambda: not d.p("tmp/note").exists())
+            fid = await a.walk(ra, ["tmp"])
+            await a.create(fid, "sub", DMDIR | 0o755, OREAD)
+            await a.clunk(fid)
+            assert d.p("tmp/sub").is_dir()
+            for name in ("sub", "renamed"):
+                await a.remove(await a.walk(ra, ["tmp", name]))
+            assert os.listdir(d.p("tmp")) == []
+            # a refused one: the root's files cannot be renamed
+            fid = await a.walk(ra, ["help"])
+            with pytest.raises(NinePError, match="cannot rename help"):
+                await a.wstat(fid, replace(NOCHANGE, name="h"))
+            await a.clunk(fid)
     wait_left_clean(d)
 
 
