@@ -255,7 +255,8 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
             raise NinePError(err.reason) from None
         user = self.export.user
         return Stat(
-            qid=Qid(QTDIR if is_dir else QTFILE, 0, qid_path(n)),
+            # version: changes when the file does (its mtime in microseconds, mod 2^32)
+            qid=Qid(QTDIR if is_dir else QTFILE, ns // 1000 & U32, qid_path(n)),
             mode=(DMDIR if is_dir else 0) | _stat.S_IMODE(n.mode),
             atime=ns // 1_000_000_000 & U32,
             mtime=ns // 1_000_000_000 & U32,

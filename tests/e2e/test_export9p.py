@@ -164,6 +164,22 @@ async def test_py9p_creates_prompts_and_reads_what_fuse_shows(
     wait_left_clean(d)
 
 
+def py9p_follow(path: str, sid: str, until: bytes) -> bytes:
+    with py9p.Client.connect_unix(path) as cl:
+        cl.negotiate()
+        cl.attach(0, uname="someone", aname="")
+        cl.walk(0, 1, f"s/{sid}/stream")
+        _, iounit = cl.open(1)
+        seen = b""
+        while until not in seen:
+            chunk = cl.read(1, iounit, len(seen))
+            assert chunk, seen
+            seen += chunk
+        cl.clunk(1)
+        cl.clunk(0)
+    return seen
+
+
 # ---- the project's own client ---------------------------------------------------------------
 
 
@@ -205,7 +221,7 @@ async def follow(c: Client, root: int, path: str, until: bytes) -> bytes:
         await c.clunk(fid)
 
 
-async def test_own_client_two_followers_get_every_byte(
+async def test_three_followers_of_one_stream_get_every_byte(
     daemon_factory: Callable[..., Daemon], sockdir: Path
 ) -> None:
     sock = str(sockdir / "9p")
@@ -221,13 +237,17 @@ async def test_own_client_two_followers_get_every_byte(
             async def follower(name: str, c: Client, root: int) -> None:
                 got[name] = await follow(c, root, f"s/{sid}/stream", end)
 
+            async def py9p_follower() -> None:
+                got["py9p"] = await trio.to_thread.run_sync(py9p_follow, sock, sid, end)
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(follower, "a", a, ra)
                 nursery.start_soon(follower, "b", b, rb)
+                nursery.start_soon(py9p_follower)
                 await write_file(b, rb, f"s/{sid}/prompt", b"go")
-            # both saw the very bytes that chat holds, over 9P and through FUSE
+            # all saw the very bytes that chat holds, over 9P and through FUSE
             chat = await read_file(a, ra, f"s/{sid}/chat")
-            assert got["a"] == got["b"] == chat
+            assert got["a"] == got["b"] == got["py9p"] == chat
             assert d.read(f"s/{sid}/chat").encode() == chat
             # FUSE writes, 9P reads: a session made through the mount is listed
             other = d.new(name="fromfuse")
