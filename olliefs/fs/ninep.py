@@ -40,7 +40,6 @@ belongs on a network that is private already (a VPN, an ssh tunnel).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import ipaddress
@@ -479,12 +478,11 @@ async def _accept_loop(
         try:
             stream = await listener.accept()
         except OSError as err:
-            if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                # Out of fds or memory: keep serving the clients we have.
-                log.warning("9P accept failed: %s", err)
-                await trio.sleep(0.1)
-                continue
-            raise
+            # Out of fds or memory, most likely: keep serving the clients we have (a
+            # client never ends the daemon), and try again a little later.
+            log.warning("9P accept failed: %s", err)
+            await trio.sleep(0.1)
+            continue
         nursery.start_soon(_serve_client, export, stream, unix)
 
 
