@@ -1,8 +1,8 @@
 """The file tree, declared once (SPEC 3).
 
 Each entry maps a name to the node kind and the runtime call behind it. The frontends
-(``fuse.py`` now, the 9P export later) only translate this tree; adding a file is one line
-here plus the runtime method it calls.
+(``fuse.py``, and ``ninep.py`` for ``--9p``) only translate this tree; adding a file is one
+line here plus the runtime method it calls.
 """
 
 from __future__ import annotations
