@@ -26,7 +26,8 @@ refused, as it is on FUSE for anyone but root). On a unix socket the kernel tell
 connected (SO_PEERCRED): the socket is mode 0600, so only the owner (and root) get in,
 and the peer's pid is what the node operations see as the opener's pid, so a sandboxed
 tool that reached the socket cannot write an agent profile (``a/``) through it either.
-Over TCP there is no pid (0).
+Over TCP there is no pid: with a key the caller is the user who holds it (pid 0);
+without one it may be a tool with network, so ``a/`` refuses its writes (`UNVERIFIED`).
 
 Authentication (TCP off loopback needs it; ollie(1) and ollie(5) say how to use it): a
 key file given with ``--9p-key-file``; a client attaches with the key's text as the
@@ -393,6 +394,10 @@ def _by_name(entry: tuple[str, Node]) -> str:
 # ---- listeners -----------------------------------------------------------------------
 
 
+UNVERIFIED = -1
+"""The opener's pid of an unauthenticated TCP client: refused what a tool is refused."""
+
+
 def _peer_pid(stream: trio.SocketStream) -> int:
     """The pid of the process at the other end of a unix socket (0 if unknown)."""
     try:
@@ -404,7 +409,9 @@ def _peer_pid(stream: trio.SocketStream) -> int:
 
 
 async def _serve_client(export: Export, stream: trio.SocketStream, unix: bool) -> None:
-    pid = _peer_pid(stream) if unix else 0
+    # Over TCP without a key nobody can tell a tool (a profile with network) from its
+    # user: UNVERIFIED makes the writes a tool may not make (a/ profiles) refused.
+    pid = _peer_pid(stream) if unix else (0 if export.key is not None else UNVERIFIED)
     stats = export.stats
     try:
         await serve_connection(stream, TreeFS(export, pid), stats=stats)

@@ -419,6 +419,15 @@ def py9p_tcp(port: int, key: str) -> dict[str, Any]:
     return got
 
 
+async def make_profile(c: Client, root: int, name: str) -> None:
+    fid = await c.walk(root, ["a"])
+    try:
+        await c.create(fid, f"{name}.json", 0o644, OWRITE)
+        await c.write(fid, 0, b'{"prompt": "be brief"}')
+    finally:
+        await c.clunk(fid)
+
+
 async def test_tcp_export_checks_the_key(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:
@@ -449,6 +458,9 @@ async def test_tcp_export_checks_the_key(
                 await c.attach("me", "nope")
             root = await c.attach("me", key)
             assert {st.name for st in await c.listdir(root)} == set(os.listdir(d.path))
+            # A keyed client is the user: it may write an agent profile.
+            await make_profile(c, root, "bykey")
+    assert (d.path / "a" / "bykey.json").exists()
     wait_left_clean(d)
 
 
@@ -459,6 +471,11 @@ async def test_loopback_tcp_needs_no_flag(daemon_factory: Callable[..., Daemon])
     with trio.fail_after(30):
         async with Client.connect(stream) as c:
             root = await c.attach("me")
+            # Without a key a TCP client may be a tool with network: no agent profiles.
+            with pytest.raises(NinePError, match="without a key"):
+                await make_profile(c, root, "bytcp")
+            assert not (d.path / "a" / "bytcp.json").exists()
+            assert "without a key" in d.read("err")
             sid = await new_session(c, root, f"cwd={d.work} name=overtcp")
             assert d.read(f"s/{sid}/state").strip() == "idle"
             # The daemon stops while a 9P read is blocked: the read ends (EOF, or the
