@@ -124,8 +124,10 @@ FAULTS: dict[str, Fault] = {
         retry_lines=["0.01", "0.02", "0.04"],
     ),
     "5xx-in-stream": Fault(
-        [Entry(reply="partial answer", chunk=4, drop_after=2, status=500, in_stream=True)]
-        + [ok("5xx-in-stream")],
+        [
+            Entry(reply="partial answer", chunk=4, drop_after=2, status=500, in_stream=True),
+            ok("5xx-in-stream"),
+        ],
         requests=2,
         recovers=True,
         retry_lines=["0.01"],
@@ -157,9 +159,7 @@ FAULTS: dict[str, Fault] = {
         requests=1,
         recovers=True,
     ),
-    "garbage-stream": Fault(
-        [Entry(garbage="{not json at all")], requests=1, recovers=False
-    ),
+    "garbage-stream": Fault([Entry(garbage="{not json at all")], requests=1, recovers=False),
     "garbage-body": Fault(
         [Entry(body="<html><body>502 Bad Gateway</body></html>")],
         requests=1,
@@ -182,8 +182,7 @@ FAULTS: dict[str, Fault] = {
         retry_lines=["0.01"],
     ),
     "hung-mid-stream": Fault(
-        [Entry(reply="started then", chunk=4, hang=True, hang_after=2)]
-        + [ok("hung-mid-stream")],
+        [Entry(reply="started then", chunk=4, hang=True, hang_after=2), ok("hung-mid-stream")],
         requests=2,
         recovers=True,
         retry_lines=["0.01"],
@@ -306,7 +305,7 @@ def test_fault(matrix: tuple[ReplayServer, Daemon], name: str, wire: str) -> Non
         assert sum(x.startswith("error: ") for x in turn) == 1, chat
     if fault.partial:
         # the cut reply's text stays, closed, before the retry line
-        cut = [x for x in turn if x.startswith("assistant: ")][0]
+        cut = next(x for x in turn if x.startswith("assistant: "))
         assert cut != f"assistant: {after(name)}" and len(cut) > len("assistant: ")
         assert turn[turn.index(cut) + 1].startswith("retrying in ")
     events = [json.loads(x) for x in daemon.snapshot(f"s/{sid}/events").splitlines()]
@@ -317,7 +316,7 @@ def test_fault(matrix: tuple[ReplayServer, Daemon], name: str, wire: str) -> Non
 
 
 def test_every_session_takes_the_next_prompt(matrix: tuple[ReplayServer, Daemon]) -> None:
-    server, daemon = matrix
+    _server, daemon = matrix
     sids = [model_of(name, wire) for name in FAULTS for wire in WIRES]
     for sid in sids:
         daemon.prompt(sid, f"again {sid}")
