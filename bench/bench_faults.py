@@ -22,7 +22,10 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
+
+import msgspec
 
 from olliefs.replay import Entry, ReplayServer
 from olliefs.testing import Daemon
@@ -75,17 +78,18 @@ def run_wire(wire: str, base: Path) -> None:
         daemon.allowed_errors += ["HTTP 4", "HTTP 5"]
         with daemon.running():
             idle = daemon.new(name="idle", backend=wire, model="idle")
-            rows = [("idle backend (reference)", sample(daemon.p(f"s/{idle}/state")), None)]
+            reads = sample(daemon.p(f"s/{idle}/state"))
+            rows: list[tuple[str, list[float], float | None]] = [("idle backend", reads, None)]
             for i, (name, entries) in enumerate(FAULTS.items()):
                 model = f"fault{i}"
-                server.add([Entry(**{**_fields(e), "for_model": model}) for e in entries])
+                server.add([msgspec.structs.replace(e, for_model=model) for e in entries])
                 sid = daemon.new(name=model, backend=wire, model=model)
                 if name.startswith("garbage"):
                     for n in range(len(entries)):
                         daemon.prompt(sid, f"go {n}")
                 else:
                     daemon.prompt(sid, "go")
-                daemon.wait_for(lambda m=model: any(r.model == m for r in server.recorded))
+                daemon.wait_for(partial(seen, server, model))
                 reads = sample(daemon.p(f"s/{sid}/state"))
                 stop_ms = None
                 if daemon.read(f"s/{sid}/state") != "idle\n":
@@ -108,8 +112,8 @@ def run_wire(wire: str, base: Path) -> None:
         )
 
 
-def _fields(entry: Entry) -> dict[str, object]:
-    return {f: getattr(entry, f) for f in entry.__struct_fields__}
+def seen(server: ReplayServer, model: str) -> bool:
+    return any(r.model == model for r in server.recorded)
 
 
 def main() -> int:
