@@ -42,7 +42,8 @@ def task_counts() -> tuple[int, int]:
     counted apart (their number settles, it does not return to an exact figure).
     """
     total = workers = 0
-    todo = [trio.lowlevel.current_root_task()]
+    root = trio.lowlevel.current_root_task()
+    todo = [root] if root is not None else []
     while todo:
         task = todo.pop()
         total += 1
@@ -115,7 +116,9 @@ async def serve(
                 async for _ in sigs:
                     total, workers = task_counts()
                     fds = len(os.listdir("/proc/self/fd"))
-                    log.info("debug: %d trio tasks, %d pyfuse3 workers, %d fds", total, workers, fds)
+                    log.info(
+                        "debug: %d trio tasks, %d pyfuse3 workers, %d fds", total, workers, fds
+                    )
 
         nursery.start_soon(stop_on_signal)
         nursery.start_soon(report_on_usr1)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,8 +221,8 @@ def test_thousands_of_readers_writers_and_streams(loaded: Daemon) -> None:
         for i in range(max(READERS - len(cats), 0))
     ]
     helpers = []
-    for h in range(HELPERS):
-        mine = jobs[h::HELPERS]
+    for n in range(HELPERS):
+        mine = jobs[n::HELPERS]
         proc = subprocess.Popen(
             [sys.executable, "-c", HELPER],
             stdin=subprocess.PIPE,
@@ -237,6 +238,10 @@ def test_thousands_of_readers_writers_and_streams(loaded: Daemon) -> None:
     pids = [c.pid for c in cats] + [h.proc.pid for h in helpers]
     try:
         wait_all_blocked(pids, len(jobs) + len(cats))
+        # each blocked read holds one of the daemon's tasks (a pyfuse3 worker): what the
+        # counts after the storm must have given back
+        _, workers, _ = debug_counts(daemon)
+        assert workers >= len(jobs) + len(cats)
 
         # ---- writers and streams --------------------------------------------------------
         for i, sid in enumerate(sids):
@@ -321,7 +326,8 @@ def test_thousands_of_readers_writers_and_streams(loaded: Daemon) -> None:
             -signal.SIGKILL if n % 2 else -signal.SIGINT for n in range(HELPERS)
         ]
     finally:
-        for p in [*(h.proc for h in helpers), *cats]:
+        procs: list[subprocess.Popen[Any]] = [*(h.proc for h in helpers), *cats]
+        for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
