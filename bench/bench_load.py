@@ -29,6 +29,10 @@ from pathlib import Path
 
 from olliefs.replay import Entry, ReplayServer
 from olliefs.testing import Daemon
+
+# The readers are the load test's own helpers (tests/ is not installed): one definition
+# of what a reader does, for the test and the figures.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.fs.test_load import (
     HELPER,
     Helper,
