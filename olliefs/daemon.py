@@ -39,6 +39,25 @@ class DaemonError(Exception):
     pass
 
 
+def task_counts() -> tuple[int, int]:
+    """(every trio task of this run, the pyfuse3 workers among them).
+
+    Reported on SIGUSR1 so that load tests can check nothing leaked: after a storm of
+    interrupted readers the count must come back to where it was. pyfuse3 grows its worker
+    pool while requests block and lets idle workers go after the storm, so the workers are
+    counted apart (their number settles, it does not return to an exact figure).
+    """
+    total = workers = 0
+    root = trio.lowlevel.current_root_task()
+    todo = [root] if root is not None else []
+    while todo:
+        task = todo.pop()
+        total += 1
+        workers += task.name.startswith("pyfuse-")
+        todo += [t for n in task.child_nurseries for t in n.child_tasks]
+    return total, workers
+
+
 def lock_state(paths: Paths) -> int:
     """One daemon per state dir: two would interleave the same journals."""
     fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -142,7 +161,17 @@ async def _serve(
             if ready:
                 ready()
 
+        async def report_on_usr1() -> None:
+            with trio.open_signal_receiver(signal.SIGUSR1) as sigs:
+                async for _ in sigs:
+                    total, workers = task_counts()
+                    fds = len(os.listdir("/proc/self/fd"))
+                    log.info(
+                        "debug: %d trio tasks, %d pyfuse3 workers, %d fds", total, workers, fds
+                    )
+
         nursery.start_soon(stop_on_signal)
+        nursery.start_soon(report_on_usr1)
         nursery.start_soon(report_ready)
         try:
             await pyfuse3.main(min_tasks=4, max_tasks=max_waiters + 256)
