@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -327,12 +328,17 @@ def bad_payload(provider: str, data: bytes, exc: Exception, secrets: Secrets) ->
 # ---- errors --------------------------------------------------------------------------------
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def one_line(text: str, secrets: Secrets = None) -> str:
     """Make provider text fit one ``chat`` line, and never echo a key or token back."""
     for secret in [secrets] if isinstance(secrets, str) else secrets or ():
         if secret:
             text = text.replace(secret, "***")
     text = " ".join(text.split())
+    # A garbage body quoted in an error must not put NULs or terminal escapes in chat.
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
     return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
