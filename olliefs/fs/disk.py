@@ -79,7 +79,7 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, S
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import NoReturn, cast
 
 import trio
 
@@ -694,9 +694,14 @@ class Skills(Dir):
 
     perm = 0o755
 
-    def __init__(self, key: Hashable, root: Path) -> None:
+    def __init__(
+        self, key: Hashable, root: Path, refused: Callable[[str], None] | None = None
+    ) -> None:
         self.key = key
         self.root = root
+        # Where the reason of a refused SKILL.md goes (the root ``err`` and ``events``):
+        # the EINVAL of a close is lost on shells, which ignore close(2)'s errors.
+        self.refused = refused
         self.born = time.time()
         self._live: weakref.WeakValueDictionary[str, Skill] = weakref.WeakValueDictionary()
         self.idx = Generated((key, "idx"), self.idx_text)
@@ -724,12 +729,16 @@ class Skills(Dir):
     def exists(self, skill: str) -> bool:
         return (self.root / skill / "SKILL.md").is_file()
 
-    @staticmethod
-    def skill_of(name: str, what: str) -> str:
+    def skill_of(self, name: str, what: str) -> str:
         skill = name.removesuffix(".md")
         if not name.endswith(".md") or not SKILL_NAME.fullmatch(skill):
-            raise InvalidRequest(f"{what} {name}: sk/ holds only <name>.md skill files")
+            self.refuse(f"{what} {name}: sk/ holds only <name>.md skill files")
         return skill
+
+    def refuse(self, reason: str) -> NoReturn:
+        if self.refused is not None:
+            self.refused(f"sk/: {reason}")
+        raise InvalidRequest(reason)
 
     def _node(self, skill: str) -> Skill:
         node = self._live.get(skill)
@@ -840,7 +849,10 @@ class SkillHandle(Handle):
         if not self.dirty:
             return
         self.dirty = False  # a refused text is reported once, at this close
-        self.node.commit(bytes(self.buf))
+        try:
+            self.node.commit(bytes(self.buf))
+        except InvalidRequest as err:
+            self.node.skills.refuse(f"{self.node.skill}.md: {err}")
 
     def release(self) -> None:
         self.node.handles.discard(self)

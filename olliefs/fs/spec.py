@@ -305,7 +305,7 @@ def disk_dirs(reg: Registry) -> dict[str, Node]:
         "tmp": Folder(("tmp",), p.scratch, rules=Rules(writable=True, follow=False, tree=True)),
         "t": tools,
         "p": Folder(("p",), p.config / "prompts", [shipped / "prompts"]),
-        "sk": Skills(("sk",), p.config / "skills"),
+        "sk": Skills(("sk",), p.config / "skills", reg.refused),
         "tr": Folder(
             ("tr",), p.transcripts, rules=Rules(removable=True, follow=False, shown=not_partial)
         ),
