@@ -229,6 +229,18 @@ class Client:
                         return
                     w.read()
 
+    def follow(self, sid: str, needle: str) -> bytes:
+        """Follow ``stream`` (blocking reads) until ``needle`` shows; what it gave."""
+        rel = f"s/{sid}/stream"
+        self.mark(rel)
+        with deadline(30, f"following {rel} for {needle!r}"), open(self.p(rel), "rb") as f:
+            seen = b""
+            while needle.encode() not in seen:
+                chunk = f.read1(65536)
+                check(chunk, f"{rel} ended before {needle!r}: {seen!r}")
+                seen += chunk
+            return seen
+
     def prompt(self, sid: str, text: str) -> None:
         check(self.write(f"s/{sid}/prompt", text) == 0, f"prompt {text!r} refused")
 
@@ -349,11 +361,14 @@ def concurrent_readers(c: Client, sid: str) -> None:
     readers += [("events", events_done)] * 2
     results: list[bytes | None] = [None] * len(readers)
     errors: list[str] = []
+    # All readers of one file start at one offset, its size before any of them opened
+    # it: an event appended while they open (a late usage line) is then read by all.
+    start = {rel: os.stat(c.p(rel)).st_size for rel, _ in readers}
     files = []
     for rel, _ in readers:
         c.mark(rel)
         f = open(c.p(rel), "rb")
-        f.seek(0, os.SEEK_END)
+        f.seek(start[rel])
         files.append(f)
 
     def run(i: int) -> None:
@@ -410,6 +425,10 @@ def while_running(c: Client, sid: str) -> None:
         check(drain(fd) == (b"queued then taken\n", "EOF"), "fifo.out after a queued prompt")
     finally:
         os.close(fd)
+    # The request is on its way once the first delta is in chat: stop it only then, or
+    # the stop could come before the request is sent and the next turn would get its
+    # scripted answer.
+    c.follow(sid, "assistant: hung")
     c.refused(f"{d}/cfg", "temperature=0.3", errno.EBUSY, "while a turn is running", f"{d}/err")
     c.refused(f"{d}/ctl", "rn other", errno.EBUSY, "while a turn is running", f"{d}/err")
     code = errno_of(lambda: os.rename(c.p(d), c.p("s/other")))
@@ -446,7 +465,8 @@ def writable_session_files(c: Client, sid: str) -> None:
     # fifo.in on an idle session runs at once.
     check(c.write(f"{d}/fifo.in", "from the fifo") == 0, "fifo.in when idle")
     c.wait_idle(sid)
-    check("user: from the fifo\nassistant: fifo reply\n" in c.read(f"{d}/chat"), "fifo.in ran")
+    chat = c.read(f"{d}/chat")
+    check("user: from the fifo\nassistant: fifo reply\n" in chat, f"fifo.in ran: {chat!r}")
     # plan: a file, applied at close; not UTF-8 refused at close, the old plan kept.
     check(c.write(f"{d}/plan", "- [ ] one\n- [ ] two\n") == 0, "plan")
     with open(c.p(f"{d}/plan"), "r+b") as f:

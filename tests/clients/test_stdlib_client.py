@@ -10,12 +10,13 @@ to it.
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 from pathlib import Path
 
 from olliefs.testing import Daemon
-from tests.conftest import script
+from tests.conftest import oserror, script
 
 CLIENT = Path(__file__).with_name("stdlib_client.py")
 
@@ -39,3 +40,18 @@ def test_stdlib_client_exercises_every_file(daemon: Daemon, tmp_path: Path) -> N
     # Every scripted answer was asked for, and nothing more: the client's requests are
     # the ones it planned (a refused prompt never reached the model).
     assert len(daemon.replay.requests) == len(entries.stdout.splitlines())
+
+
+def test_a_refused_skill_says_why(daemon: Daemon) -> None:
+    """A SKILL.md is checked at close, whose errors shells ignore: the reason must be in
+    the root err and on the root events (the stdlib client found it missing)."""
+    skill = "---\nname: greet\ndescription: say hello\n---\nSay hello.\n"
+    daemon.p("sk/greet.md").write_text(skill)
+    # bash ignores close(2)'s error, as with a user's echo: only err can tell.
+    subprocess.run(["bash", "-c", 'echo "no front matter" > sk/greet.md'], cwd=daemon.path)
+    assert daemon.read("sk/greet.md") == skill
+    assert "greet.md: SKILL.md must start with a '---' front matter line" in daemon.read("err")
+    assert oserror(lambda: open(daemon.p("sk/bad name.md"), "w")) == errno.EINVAL
+    assert "sk/ holds only <name>.md skill files" in daemon.read("err")
+    events = daemon.snapshot("events")
+    assert "SKILL.md must start with" in events and "sk/ holds only" in events
