@@ -276,6 +276,8 @@ def root_files(c: Client) -> None:
     check(template.splitlines() == ["name=", "cwd=", "backend=", "model=", "agent="], template)
     c.refused("s/new", "cwd=/no/such/dir", errno.EINVAL, "cwd is not an existing directory", "err")
     c.refused("s/new", f'cwd="{c.work}" colour=red', errno.EINVAL, "colour", "err")
+    c.refused("s/new", "cwd", errno.EINVAL, "s/new: expected key=value, got 'cwd'\n", "err")
+    check(c.read("err").count("s/new:") == 1, f"err names s/new twice: {c.read('err')!r}")
     c.refused("s/new", f'cwd="{c.work}" name=new', errno.EINVAL, "new", "err")
 
 
