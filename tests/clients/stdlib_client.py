@@ -33,6 +33,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
@@ -560,6 +561,21 @@ def folders(c: Client, kid: str) -> None:
             check(c.read(f"t/{name}").startswith("#!"), f"t/{name} is not a script")
     c.refuses_write("t/file_read")
     c.refuses_write("t/idx")
+    # A user's tool: created 0755 whatever the mode asked, listed in idx at once.
+    tool = (
+        "#!/bin/sh\n# ollie-tool\n# description: say hi\n"
+        '# args: {"type": "object", "properties": {}}\n# parallel: true\necho hi\n'
+    )
+    check(c.write("t/say_hi", tool) == 0, "a user's tool")
+    check(stat.S_IMODE(os.stat(c.p("t/say_hi")).st_mode) == 0o755, "t/say_hi mode")
+    check(c.read("t/say_hi") == tool, "t/say_hi read back")
+    check("say_hi\tsay hi\t" in c.read("t/idx"), "t/idx lacks the user's tool")
+    os.unlink(c.p("t/say_hi"))
+    # ollie(5) promises a new script in idx at once; a removed one leaves it with
+    # toolsrv's next rescan (within a second or so).
+    with deadline(20, "t/idx dropping a removed tool"):
+        while "say_hi" in c.read("t/idx"):
+            time.sleep(0.05)
     # tmp/: sub-folders.
     os.mkdir(c.p("tmp/sub"))
     check(c.write("tmp/sub/f", "scratch") == 0, "tmp/sub/f")
@@ -567,6 +583,20 @@ def folders(c: Client, kid: str) -> None:
     check(c.read("tmp/sub/f") == "scratch" and c.read("tmp/top") == "top", "tmp files")
     check(errno_of(lambda: os.rmdir(c.p("tmp/sub"))) == errno.ENOTEMPTY, "rmdir non-empty")
     check(errno_of(lambda: os.mkdir(c.p("m/sub"))) == errno.EACCES, "mkdir in m/")
+    # What the tree refuses whatever the folder: symlinks, hard links, xattrs, a rename
+    # to another folder (mv copies then).
+    code = errno_of(lambda: os.symlink("top", c.p("tmp/link")))
+    check(code == errno.ENOSYS, f"symlink in tmp/: {code}")
+    code = errno_of(lambda: os.link(c.p("tmp/top"), c.p("tmp/hard")))
+    check(code == errno.EPERM, f"link in tmp/: {code}")
+    code = errno_of(lambda: os.setxattr(c.p("tmp/top"), "user.x", b"1"))
+    check(code == errno.ENOTSUP, f"setxattr in tmp/: {code}")
+    code = errno_of(lambda: os.rename(c.p("tmp/top"), c.p("m/top")))
+    check(code == errno.EXDEV, f"rename tmp/ to m/: {code}")
+    code = errno_of(lambda: os.rename(c.p("tmp/top"), c.p("tmp/sub/top")))
+    check(code == errno.EXDEV, f"rename tmp/ to tmp/sub/: {code}")
+    os.rename(c.p("tmp/sub/f"), c.p("tmp/sub/g"))  # within one folder: replaces, as sed -i
+    check(c.read("tmp/sub/g") == "scratch", "renamed within tmp/sub/")
     # u/complete runs through the mount; x/ holds nothing shipped.
     c.mark("u/complete")
     run = subprocess.run(
@@ -590,6 +620,9 @@ def ending(c: Client, sid: str, kid: str) -> None:
     check(len(journals) == 1, f"tr/: {os.listdir(c.p('tr'))}")
     for line in c.read(f"tr/{journals[0]}").splitlines():
         json.loads(line)
+    saved = [n for n in os.listdir(c.p("tr")) if n.endswith(".md")]
+    os.unlink(c.p(f"tr/{saved[0]}"))  # read-only, but rm is allowed
+    check(not os.path.exists(c.p(f"tr/{saved[0]}")), "rm of a transcript")
     data, _ = c.nonblock("events")
     reasons = [e["content"] for e in map(json.loads, data.splitlines()) if e["role"] == "error"]
     for want in ("cwd is not an existing directory", "unknown command: frobnicate", "UTF-8"):
@@ -652,7 +685,7 @@ def main() -> int:
         ("folders on disk", lambda: folders(c, kid)),
         ("the whole tree", lambda: walk(c, {"tr/*.jsonl"})),
         ("the end of a session", lambda: ending(c, sid, kid)),
-        ("the whole tree again", lambda: walk(c, {"s/ID/peer/NAME"})),
+        ("the whole tree again", lambda: walk(c, {"s/ID/peer/NAME", "tr/*.md"})),
     ]
     for name, fn in steps:
         print(f"== {name}", flush=True)
