@@ -88,6 +88,9 @@ grep -qx "user: say something" "$S/chat" || fail "chat: $(cat "$S/chat")"
 step "cat stream follows a turn live (in the background)"
 cat "$S/stream" >stream.out &
 STREAM_PID=$!
+# A failed step must not leave the reader blocked (holding the caller's stderr open):
+# a signal ends a blocked read at once.
+trap 'kill "$STREAM_PID" 2>/dev/null || true' EXIT
 # What is already there comes first.
 wait_until "stream shows the first turn" grep -q "first reply" stream.out
 exec 3<"$S/statewait"
