@@ -75,7 +75,10 @@ class ProfileHandle(Handle):
         return len(data)
 
     def truncate(self, size: int) -> None:
+        # Cut, or extend as a write past the end does: with spaces, which JSON allows
+        # between tokens, where a disk would put NUL bytes no document can hold.
         del self.buf[size:]
+        self.buf += b" " * (size - len(self.buf))
         self.checker = ProfileChecker() if size == 0 else None
         self.dirty = True
 
@@ -96,6 +99,9 @@ class ProfileHandle(Handle):
 class ProfileFile(File):
     perm = 0o644
     direct_io = True
+    # Looked up afresh each time: a create refused at its first write or at close
+    # leaves no profile, and the kernel must not go on showing the name it was told of.
+    entry_ttl = 0.0
 
     def __init__(self, folder: ProfilesDir, name: str) -> None:
         self.key = ("a", name)

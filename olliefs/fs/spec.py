@@ -86,9 +86,15 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "state": text("state", lambda: s.state.value + "\n"),
         "statewait": StateWait(("s", u, "statewait"), s.state, lambda: s.closed),
         "cfg": Control(
-            ("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live, stamp=stamp("cfg")
+            ("s", u, "cfg"),
+            s.write_cfg,
+            s.cfg_text,
+            perm=0o666,
+            live=live,
+            stamp=stamp("cfg"),
+            refused=s.refused,
         ),
-        "ctl": Control(("s", u, "ctl"), s.ctl, live=live, stamp=stamp("ctl")),
+        "ctl": Control(("s", u, "ctl"), s.ctl, live=live, stamp=stamp("ctl"), refused=s.refused),
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
         "usage": text("usage", a.history.totals.usage_text),
         "cost": text("cost", lambda: reg.cost_text(s)),
@@ -130,7 +136,9 @@ class PeerDir(Dir):
                 raise NotFound(f"peer {other.id} is gone")
             await other.submit(f"[from {sender.id}] {text.strip()}")
 
-        return PromptIn(("s", self.s.uid, "peer", other.uid), send, other.error)
+        # A refused write is the writer's: its reason goes to this session's err (and
+        # chat), where the writer looks, not to the peer, which was never reached.
+        return PromptIn(("s", self.s.uid, "peer", other.uid), send, sender.refused)
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         return [(o.id, self._file(o)) for o in self.reg.family(self.s)]
@@ -190,7 +198,9 @@ class SessionsDir(Dir):
                 raise
 
         return {
-            "new": Control(("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666),
+            "new": Control(
+                ("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666, refused=reg.refused
+            ),
             "idx": Text(("s", "idx"), reg.idx_text, stamp=root_stamp(self.stamps, "s/idx")),
         }
 

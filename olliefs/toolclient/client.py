@@ -85,14 +85,20 @@ class ToolsrvConn:
             raise ToolsrvError(f"toolsrv: tools/: {err.ename}") from None
 
     async def meta(self, name: str) -> tuple[ToolMeta, dict[str, Any]]:
-        async with trio.open_nursery() as n:
-            got: dict[str, bytes] = {}
+        got: dict[str, bytes] = {}
 
-            async def get(file: str) -> None:
-                got[file] = await self._read(f"tools/{name}/{file}")
+        async def get(file: str) -> None:
+            got[file] = await self._read(f"tools/{name}/{file}")
 
-            n.start_soon(get, "meta")
-            n.start_soon(get, "schema")
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(get, "meta")
+                n.start_soon(get, "schema")
+        except* ToolsrvError as group:
+            # The nursery wraps the failure in a group, which callers that catch
+            # ToolsrvError (a tool toolsrv does not serve: a script written through t/
+            # without a valid header) would let through as a daemon failure (EIO).
+            raise group.exceptions[0] from None
         return _meta.decode(got["meta"]), _schema.decode(got["schema"])
 
     async def metas(self, names: list[str]) -> dict[str, tuple[ToolMeta, dict[str, Any]]]:
@@ -227,8 +233,15 @@ class ToolsrvConn:
         for the next tool it is ready (made while the model was thinking)."""
         if self._nursery is None or self._filling is not None or self._slots:
             return
-        self._filling = trio.Event()
-        self._nursery.start_soon(self._fill, self._filling)
+        filling = trio.Event()
+        try:
+            self._nursery.start_soon(self._fill, filling)
+        except RuntimeError:
+            # The connection's nursery is closed: the daemon is shutting down (or the
+            # link went away) while this call ran, and no next call will want a slot.
+            # Raised from the call's ``finally``, it would hide the call's own outcome.
+            return
+        self._filling = filling
 
     async def _fill(self, done: trio.Event) -> None:
         try:

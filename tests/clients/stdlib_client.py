@@ -546,7 +546,7 @@ def folders(c: Client, kid: str) -> None:
     check(c.write("sk/greet.md", skill) == 0, "a new skill")
     check(c.read("sk/greet.md") == skill, "sk/greet.md")
     check(c.read("sk/idx") == "greet\tsay hello\n", "sk/idx")
-    c.refused("sk/greet.md", "no front matter\n", errno.EINVAL, "greet", "err")
+    c.refused("sk/greet.md", "no front matter\n", errno.EINVAL, "SKILL.md must start", "err")
     check(c.read("sk/greet.md") == skill, "a refused skill replaced it")
     c.refuses_write("sk/idx")
     # t/: shipped scripts are read-only; idx describes them.

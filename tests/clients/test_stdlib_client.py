@@ -50,7 +50,7 @@ def test_a_refused_skill_says_why(daemon: Daemon) -> None:
     # bash ignores close(2)'s error, as with a user's echo: only err can tell.
     subprocess.run(["bash", "-c", 'echo "no front matter" > sk/greet.md'], cwd=daemon.path)
     assert daemon.read("sk/greet.md") == skill
-    assert "greet.md: SKILL.md must start with a '---' front matter line" in daemon.read("err")
+    assert "SKILL.md must start with a '---' front matter line" in daemon.read("err")
     assert oserror(lambda: open(daemon.p("sk/bad name.md"), "w")) == errno.EINVAL
     assert "sk/ holds only <name>.md skill files" in daemon.read("err")
     events = daemon.snapshot("events")
