@@ -193,7 +193,8 @@ class SessionsDir(Dir):
             try:
                 return (await reg.create(text)).id + "\n"
             except OllieError as err:
-                reg.refused(f"s/new: {err}")
+                reason = str(err)  # the parser's reasons already name s/new
+                reg.refused(reason if reason.startswith("s/new: ") else f"s/new: {reason}")
                 raise
 
         return {
