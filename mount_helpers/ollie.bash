@@ -31,13 +31,18 @@ _ollie() {
     local flags= words=
     case ${COMP_WORDS[1]} in
     mount)
-        flags="-f --foreground -v --verbose --toolsrv --toolsrv-key-file -h --help"
+        flags="-f --foreground -v --verbose --toolsrv --toolsrv-key-file --9p --9p-allow-remote"
+        flags+=" --9p-key-file -h --help"
         case $prev in
         --toolsrv)
             compopt -o nospace
             mapfile -t COMPREPLY < <(compgen -W "unix:" -- "$cur")
             return ;;
-        --toolsrv-key-file)
+        --9p)
+            compopt -o nospace
+            mapfile -t COMPREPLY < <(compgen -W "unix: tcp:127.0.0.1:" -- "$cur")
+            return ;;
+        --toolsrv-key-file | --9p-key-file)
             compopt -o filenames
             mapfile -t COMPREPLY < <(compgen -f -- "$cur")
             return ;;

@@ -28,18 +28,32 @@ import socket
 import stat
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from olliefs import mounts
 from olliefs.settings import Paths, install_defaults, load_settings, paths, private_file
 
+if TYPE_CHECKING:
+    from olliefs.fs.ninep import Address
+
 PROG = "ollie"
 
 
 class CliError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Exports:
+    """What ``--9p`` asked for: where to serve the tree over 9P, and the key, if any."""
+
+    addresses: Sequence[Address]
+    key: str | None
 
 
 def default_mountpoint() -> str:
@@ -127,7 +141,13 @@ def _setup_logging(p: Paths, foreground: bool, verbose: bool) -> None:
     )
 
 
-def run_daemon(mnt: str, p: Paths, ready_fd: int | None, verbose: bool) -> int:
+def run_daemon(
+    mnt: str,
+    p: Paths,
+    ready_fd: int | None,
+    verbose: bool,
+    exports: Exports | None = None,
+) -> int:
     from olliefs.daemon import DaemonError, lock_state, serve
 
     _setup_logging(p, ready_fd is None, verbose)
@@ -145,7 +165,7 @@ def run_daemon(mnt: str, p: Paths, ready_fd: int | None, verbose: bool) -> int:
     try:
         lock = lock_state(p)
         try:
-            trio.run(serve, mnt, p, settings, ready)
+            trio.run(serve, mnt, p, settings, ready, exports)
         finally:
             os.close(lock)
     except DaemonError as err:
@@ -158,9 +178,40 @@ def run_daemon(mnt: str, p: Paths, ready_fd: int | None, verbose: bool) -> int:
     return 0
 
 
+def _exports(args: argparse.Namespace) -> Exports | None:
+    """The ``--9p`` addresses and key, checked before anything starts: an address off
+    loopback is refused unless ``--9p-allow-remote`` and a key file are given."""
+    from olliefs.fs import ninep
+
+    if not args.ninep:
+        if args.ninep_allow_remote or args.ninep_key_file:
+            raise CliError("--9p-allow-remote and --9p-key-file go with --9p ADDRESS")
+        return None
+    try:
+        addresses = [ninep.parse_address(a) for a in args.ninep]
+        key = ninep.read_key(args.ninep_key_file) if args.ninep_key_file else None
+        ninep.check_exports(addresses, args.ninep_allow_remote, key)
+    except ninep.AddressError as err:
+        raise CliError(str(err)) from None
+    return Exports(addresses, key)
+
+
+def _export_args(args: argparse.Namespace) -> list[str]:
+    """The 9P flags again, for the daemon child (the key file by absolute path)."""
+    out: list[str] = []
+    for a in args.ninep or ():
+        out += ["--9p", a]
+    if args.ninep_allow_remote:
+        out.append("--9p-allow-remote")
+    if args.ninep_key_file:
+        out += ["--9p-key-file", os.path.abspath(args.ninep_key_file)]
+    return out
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     p = paths()
     mnt = os.path.abspath(os.path.expanduser(args.mountpoint or default_mountpoint()))
+    exports = _exports(args)
     if args.toolsrv:
         # A remote toolsrv: the daemon (and its forked child) read these as settings.
         if not args.toolsrv.startswith("unix:"):
@@ -172,12 +223,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     p.ensure()
     install_defaults(p)
     if args.ready_fd is not None:  # the daemon child; the parent did the checks
-        return run_daemon(mnt, p, args.ready_fd, args.verbose)
+        return run_daemon(mnt, p, args.ready_fd, args.verbose, exports)
     preflight(mnt, p, create_default=args.mountpoint is None)
     if args.foreground:
-        return run_daemon(mnt, p, None, args.verbose)
+        return run_daemon(mnt, p, None, args.verbose, exports)
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "olliefs", "mount", "--ready-fd", str(w), mnt]
+    cmd = [sys.executable, "-m", "olliefs", "mount", "--ready-fd", str(w), *_export_args(args)]
+    cmd.append(mnt)
     if args.verbose:
         cmd.insert(4, "-v")
     private_file(p.log_file)
@@ -490,6 +542,25 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("-v", "--verbose", action="store_true")
     m.add_argument("--toolsrv", metavar="unix:PATH", help="use this toolsrv, not a spawned one")
     m.add_argument("--toolsrv-key-file", metavar="FILE", help="the hex key that toolsrv uses")
+    m.add_argument(
+        "--9p",
+        dest="ninep",
+        action="append",
+        metavar="ADDRESS",
+        help="also serve the tree over 9P2000 at unix:PATH or tcp:HOST:PORT (repeatable)",
+    )
+    m.add_argument(
+        "--9p-allow-remote",
+        dest="ninep_allow_remote",
+        action="store_true",
+        help="allow a --9p tcp address that is not loopback (needs --9p-key-file)",
+    )
+    m.add_argument(
+        "--9p-key-file",
+        dest="ninep_key_file",
+        metavar="FILE",
+        help="9P clients must attach with this file's text as aname",
+    )
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(fn=cmd_mount)
     u = sub.add_parser("umount", help="unmount and stop the daemon")

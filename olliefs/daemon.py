@@ -1,8 +1,9 @@
 """The daemon: one trio program that serves the FUSE mount and runs every session.
 
 Start-up order matters: sessions are restored before the mount appears (so the first
-``ls`` already sees them), and readiness is reported only once a ``stat`` through the
-mount has been answered, so ``ollie mount`` returns when the tree is usable.
+``ls`` already sees them), the 9P export (``--9p``, ``olliefs.fs.ninep``) listens before
+it too, and readiness is reported only once a ``stat`` through the mount has been
+answered, so ``ollie mount`` returns when the tree is usable.
 
 Shutdown (SIGTERM, SIGINT, or an external ``fusermount3 -u``) closes every log first so that
 blocked readers return EOF, then ends the FUSE loop and unmounts; journals are fsync'd as
@@ -17,20 +18,44 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
 
-from olliefs.fs import spec
+from olliefs.fs import ninep, spec
 from olliefs.fs.fuse import Operations, mount_options
+from olliefs.fs.nodes import Node, Waiters
 from olliefs.session.registry import Registry
 from olliefs.settings import Paths
+
+if TYPE_CHECKING:
+    from olliefs.cli import Exports
 
 log = logging.getLogger(__name__)
 
 
 class DaemonError(Exception):
     pass
+
+
+def task_counts() -> tuple[int, int]:
+    """(every trio task of this run, the pyfuse3 workers among them).
+
+    Reported on SIGUSR1 so that load tests can check nothing leaked: after a storm of
+    interrupted readers the count must come back to where it was. pyfuse3 grows its worker
+    pool while requests block and lets idle workers go after the storm, so the workers are
+    counted apart (their number settles, it does not return to an exact figure).
+    """
+    total = workers = 0
+    root = trio.lowlevel.current_root_task()
+    todo = [root] if root is not None else []
+    while todo:
+        task = todo.pop()
+        total += 1
+        workers += task.name.startswith("pyfuse-")
+        todo += [t for n in task.child_nurseries for t in n.child_tasks]
+    return total, workers
 
 
 def lock_state(paths: Paths) -> int:
@@ -61,6 +86,31 @@ async def serve(
     paths: Paths,
     settings: Mapping[str, str],
     ready: Callable[[], None] | None = None,
+    exports: Exports | None = None,
+) -> None:
+    """Serve until stopped. A ``DaemonError`` raised inside the daemon's nursery comes
+    out of it wrapped in an ExceptionGroup (trio's strict groups); it is unwrapped here,
+    so the caller reports its one line instead of a traceback."""
+    try:
+        await _serve(mountpoint, paths, settings, ready, exports)
+    except BaseExceptionGroup as group:
+        found, rest = group.split(DaemonError)
+        if found is None or rest is not None:
+            raise
+        raise _first(found) from None
+
+
+def _first(group: BaseExceptionGroup[DaemonError]) -> DaemonError:
+    first = group.exceptions[0]
+    return first if isinstance(first, DaemonError) else _first(first)
+
+
+async def _serve(
+    mountpoint: str,
+    paths: Paths,
+    settings: Mapping[str, str],
+    ready: Callable[[], None] | None,
+    exports: Exports | None,
 ) -> None:
     check_pyfuse3()
     max_waiters = int(settings.get("OLLIE_MAX_WAITERS") or 4096)
@@ -68,6 +118,25 @@ async def serve(
         reg = Registry(paths, settings, mountpoint, nursery)
         reg.restore()
         ops = Operations(spec.root(reg), max_waiters)
+
+        def forget(d: Node, name: str) -> None:
+            # A name removed or renamed over 9P: without this the kernel would show it
+            # on the mount until its entry timeout. Asynchronous (a request may be in
+            # flight on it); ENOENT means the kernel never looked it up.
+            ino = ops._ino.get(d.key)  # the inode FUSE gave this directory, if any
+            if ino is not None:
+                pyfuse3.invalidate_entry_async(ino, name.encode(), ignore_enoent=True)
+
+        if exports is not None:
+            # The same root node serves both frontends. Listening before the mount
+            # appears: once ``ollie mount`` says ready, 9P clients can connect too.
+            export = ninep.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)
+            try:
+                await nursery.start(ninep.serve, export, exports.addresses)
+            except ninep.AddressError as err:
+                with trio.CancelScope(shield=True):
+                    await reg.aclose()
+                raise DaemonError(str(err)) from None
         try:
             pyfuse3.init(ops, mountpoint, mount_options())
         except RuntimeError as err:
@@ -92,7 +161,17 @@ async def serve(
             if ready:
                 ready()
 
+        async def report_on_usr1() -> None:
+            with trio.open_signal_receiver(signal.SIGUSR1) as sigs:
+                async for _ in sigs:
+                    total, workers = task_counts()
+                    fds = len(os.listdir("/proc/self/fd"))
+                    log.info(
+                        "debug: %d trio tasks, %d pyfuse3 workers, %d fds", total, workers, fds
+                    )
+
         nursery.start_soon(stop_on_signal)
+        nursery.start_soon(report_on_usr1)
         nursery.start_soon(report_ready)
         try:
             await pyfuse3.main(min_tasks=4, max_tasks=max_waiters + 256)

@@ -39,10 +39,15 @@ class GrowingLog:
         self._fd = -1
         self._path = path
         self._window = window
+        self._holders = 0  # open handles reading the log
+        self._finalizer: weakref.finalize[[int], None] | None = None
         if path is not None:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            # Closed when the last holder (the session, an open handle) lets go.
-            weakref.finalize(self, os.close, self._fd)
+            # Closed when the last holder (the session, an open handle) lets go, or at
+            # discard when no handle reads it: a session is often in a reference cycle,
+            # and waiting for the garbage collector kept a removed session's files open
+            # (and their disk space taken) for as long as the daemon stayed quiet.
+            self._finalizer = weakref.finalize(self, os.close, self._fd)  # type: ignore[arg-type]
         self.closed = False
         self._discarded = False
         self.mtime = time.time()
@@ -107,6 +112,22 @@ class GrowingLog:
                 os.unlink(self._path)
             except FileNotFoundError:
                 pass
+        if self._holders == 0:
+            self._free()
+
+    def hold(self) -> None:
+        """An open handle reads the log: its file stays open until ``let_go``."""
+        self._holders += 1
+
+    def let_go(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._discarded:
+            self._free()
+
+    def _free(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # closes the descriptor once
+        self._fd = -1
 
     async def wait(self) -> None:
         """Park until the next append or close. Callers re-check their condition."""

@@ -74,6 +74,7 @@ class Daemon:
             **extra_env,
         }
         self.proc: subprocess.Popen[bytes] | None = None
+        self.mount_args: list[str] = []  # more ``ollie mount`` flags (``--9p unix:...``)
         self.log_seen = 0
         self.allowed_errors: list[str] = []
 
@@ -82,7 +83,7 @@ class Daemon:
     def start(self) -> None:
         stderr = open(self.base / "daemon.stderr", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "olliefs", "mount", "-f", str(self.path)],
+            [sys.executable, "-m", "olliefs", "mount", "-f", *self.mount_args, str(self.path)],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=stderr,

@@ -16,7 +16,9 @@ UTF-8 sequence, and msgspec decodes the JSON payloads straight from bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import re
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -66,6 +68,11 @@ _NO_TOOLS_MARKERS = (
     "function calling is not enabled",  # Gemini
     "tool choice requires",  # vLLM started without a tool-call parser
 )
+
+# httpx logs every request at INFO ("HTTP Request: POST ... 200 OK"): a formatted line
+# and a write to the daemon's log for each model request, about 6% of what sending one
+# costs, and nothing the daemon does not say better itself when a request fails.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 Secrets = str | Sequence[str] | None
 _T = TypeVar("_T")
@@ -189,6 +196,18 @@ class SSEDecoder:
         if held:
             rest += b"\r"
         self._parts = [rest] if rest else []
+        n = len(blocks)
+        if n > 1 and buf[:6] == b"data: ":
+            # The shape of nearly every provider's stream: each event one ``data:`` line.
+            # Told from the counts (C code, no loop): the complete part holds exactly two
+            # line ends per event, so its only ``\n`` are the blank-line separators, and
+            # every separator is followed by ``data: ``. Then each block is ``data: X``.
+            # (A payload that holds the text "\n\ndata: " escaped as JSON has no raw line
+            # end, so counts that do not match only send the read to the general path.)
+            done = len(buf) - len(rest) + held  # a held CR is in ``rest``, not in ``buf``
+            if buf.count(b"\n", 0, done) == 2 * n and buf.count(b"\n\ndata: ", 0, done) == n - 1:
+                event_id = self._id
+                return [SSEMessage(block[6:], "", event_id) for block in blocks]
         out: list[SSEMessage] = []
         append, last_id, names = out.append, self._id, self._names
         for block in blocks:
@@ -309,12 +328,17 @@ def bad_payload(provider: str, data: bytes, exc: Exception, secrets: Secrets) ->
 # ---- errors --------------------------------------------------------------------------------
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def one_line(text: str, secrets: Secrets = None) -> str:
     """Make provider text fit one ``chat`` line, and never echo a key or token back."""
     for secret in [secrets] if isinstance(secrets, str) else secrets or ():
         if secret:
             text = text.replace(secret, "***")
     text = " ".join(text.split())
+    # A garbage body quoted in an error must not put NULs or terminal escapes in chat.
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
     return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
@@ -427,6 +451,52 @@ def httpx_errors(provider: str = "", secrets: Secrets = None) -> Iterator[None]:
         raise transport_error(exc, provider, secrets) from exc
 
 
+# ---- coalescing ----------------------------------------------------------------------------
+
+
+def coalesce(events: list[StreamEvent]) -> list[StreamEvent]:
+    """Merge runs of ``content`` (and of ``reasoning``) deltas into one event each.
+
+    Called on what the parser read from one network read: those deltas arrived together,
+    so nobody can tell them apart by time, and the agent, the session journal and every
+    reader of ``stream`` then handle one delta per read instead of one per token. At 50
+    bytes a delta a 10 MB reply is 200,000 deltas but only a few hundred reads; a token
+    that arrives alone (a model generating slower than the network) still travels alone,
+    at once. Only deltas that differ in nothing but their text are merged, and the order
+    of everything else is kept.
+    """
+    if len(events) < 2:
+        return events
+    out: list[StreamEvent] = []
+    run: list[str] = []
+    first: StreamEvent | None = None
+    for ev in events:
+        if (
+            first is not None
+            and ev.kind == first.kind
+            and ev.response_id == first.response_id
+            and not ev.provider_data
+        ):
+            run.append(ev.text)
+            continue
+        if first is not None:
+            out.append(_joined(first, run))
+            first, run = None, []
+        if ev.kind in ("content", "reasoning") and not ev.provider_data:
+            first, run = ev, [ev.text]
+        else:
+            out.append(ev)
+    if first is not None:
+        out.append(_joined(first, run))
+    return out
+
+
+def _joined(first: StreamEvent, texts: list[str]) -> StreamEvent:
+    if len(texts) == 1:
+        return first
+    return StreamEvent(first.kind, text="".join(texts), response_id=first.response_id)
+
+
 # ---- the request cycle ---------------------------------------------------------------------
 
 
@@ -452,6 +522,19 @@ async def open_body(response: httpx.Response) -> AsyncIterator[AsyncIterator[byt
 def content_type(response: httpx.Response) -> str:
     value: str = response.headers.get("content-type", "")
     return value.split(";")[0].strip().lower()
+
+
+# Connections to a provider: as many at once as sessions stream (httpx allows 100 by
+# default, so the 101st of 200 streaming sessions waited for a free one), and kept for the
+# next request. httpx drops an idle one after 5 s by default, shorter than the pause
+# between two prompts of a person, so nearly every turn paid a new TCP (and TLS)
+# handshake; a minute covers a conversation's rhythm and stays under the idle timeout of
+# the usual servers and proxies (60-120 s), and a connection the server closed anyway is
+# seen as closed when it is taken from the pool. Up to 256 idle ones are kept.
+KEEPALIVE_SECONDS = 55.0
+_LIMITS = httpx.Limits(
+    max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_SECONDS
+)
 
 
 class HTTPBackend:
@@ -483,6 +566,7 @@ class HTTPBackend:
             base_url=base_url,
             headers=dict(headers or {}),
             timeout=httpx.Timeout(read_timeout, connect=10.0),
+            limits=_LIMITS,
             transport=transport,
         )
 
@@ -544,12 +628,12 @@ class HTTPBackend:
     ) -> AsyncGenerator[StreamEvent, None]:
         with self._errors():
             async for chunk in chunks:
-                for event in parser.feed(chunk):
+                for event in coalesce(parser.feed(chunk)):
                     yield event
                 if parser.done:
                     break
             else:
-                for event in parser.close():
+                for event in coalesce(parser.close()):
                     yield event
                 if not parser.done:
                     raise StreamDropError(f"{self.name}: the stream ended before its end marker")

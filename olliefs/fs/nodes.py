@@ -287,6 +287,10 @@ class ControlHandle(Handle):
         try:
             text = data.decode()
         except UnicodeDecodeError:
+            # Refused before the request reaches its owner: say why here, so that err
+            # (and chat) has the reason as for every other refused request.
+            if self.node.refused is not None:
+                self.node.refused(f"{self.node.name}: not valid UTF-8")
             raise InvalidRequest("not valid UTF-8") from None
         reply = await self.node.apply(text)
         if reply is not None:
@@ -303,6 +307,17 @@ class Control(File):
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
     stamp: Stamp | None = None
+    # Where a refusal made here (not by ``apply``) is reported: the session's or the
+    # root ``err``.
+    refused: Callable[[str], None] | None = None
+
+    @property
+    def name(self) -> str:
+        """How a reason names it: ``cfg`` in a session's err, ``s/new`` in the root's."""
+        key = self.key
+        if not isinstance(key, tuple):
+            return str(key)
+        return str(key[-1]) if len(key) == 3 else "/".join(map(str, key))
 
     def size(self) -> int:
         return len(self.render().encode()) if self.render else 0
@@ -392,15 +407,20 @@ class CollectedHandle(Handle):
     """Written like a file on disk (O_TRUNC, writes at offsets, ftruncate), applied
     whole when the writer closes it: an editor's save replaces the content once."""
 
-    def __init__(self, node: Collected, trunc: bool) -> None:
+    def __init__(self, node: Collected, trunc: bool, append: bool = False) -> None:
         self.node = node
+        # O_APPEND: every write goes to the end of this handle's text. The kernel's offset
+        # is the size the file reported, which is the saved text, not this handle's.
+        self.append = append
         self.buf = bytearray(b"" if trunc else node.render().encode())
-        self.dirty = False
+        self.dirty = trunc  # as on a disk, ``: > plan`` empties it even with no write
 
     async def read(self, off: int, size: int) -> bytes:
         return bytes(self.buf[off : off + size])
 
     async def write(self, off: int, data: bytes) -> int:
+        if self.append:
+            off = len(self.buf)
         if off > len(self.buf):
             self.buf += b"\0" * (off - len(self.buf))
         self.buf[off : off + len(data)] = data
@@ -408,7 +428,9 @@ class CollectedHandle(Handle):
         return len(data)
 
     def truncate(self, size: int) -> None:
+        # As on a disk: ftruncate cuts, or extends with NUL bytes.
         del self.buf[size:]
+        self.buf += b"\0" * (size - len(self.buf))
         self.dirty = True
 
     async def flush(self) -> None:
@@ -444,7 +466,7 @@ class Collected(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return CollectedHandle(self, bool(how.flags & os.O_TRUNC))
+        return CollectedHandle(self, bool(how.flags & os.O_TRUNC), bool(how.flags & os.O_APPEND))
 
 
 # ---- logs and blocking reads ---------------------------------------------------------
@@ -472,6 +494,10 @@ class LogHandle(Handle):
         self.log = log
         self.blocking = blocking
         self.how = how
+        log.hold()  # a removed session's log file stays readable while this is open
+
+    def release(self) -> None:
+        self.log.let_go()
 
     async def read(self, off: int, size: int) -> bytes:
         if self.blocking:

@@ -33,6 +33,10 @@ def refuse_sandboxed(how: Open, refused: Callable[[str], None]) -> None:
     """A profile holds hook and prompt commands, which run outside the tool sandbox: a
     process under ``no_new_privs`` (every tool toolsrv runs) may not write one, or an
     agent could give itself a hook and switch to it."""
+    if how.pid < 0:  # a 9P client over TCP without a key (olliefs.fs.ninep.UNVERIFIED)
+        reason = "a/: profiles cannot be written by a 9P client without a key"
+        refused(reason)
+        raise Denied(reason)
     try:
         with open(f"/proc/{how.pid}/status") as f:
             sandboxed = "\nNoNewPrivs:\t1" in f.read()
@@ -75,7 +79,10 @@ class ProfileHandle(Handle):
         return len(data)
 
     def truncate(self, size: int) -> None:
+        # Cut, or extend as a write past the end does: with spaces, which JSON allows
+        # between tokens, where a disk would put NUL bytes no document can hold.
         del self.buf[size:]
+        self.buf += b" " * (size - len(self.buf))
         self.checker = ProfileChecker() if size == 0 else None
         self.dirty = True
 
@@ -96,6 +103,9 @@ class ProfileHandle(Handle):
 class ProfileFile(File):
     perm = 0o644
     direct_io = True
+    # Looked up afresh each time: a create refused at its first write or at close
+    # leaves no profile, and the kernel must not go on showing the name it was told of.
+    entry_ttl = 0.0
 
     def __init__(self, folder: ProfilesDir, name: str) -> None:
         self.key = ("a", name)

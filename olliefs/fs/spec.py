@@ -1,8 +1,8 @@
 """The file tree, declared once (SPEC 3).
 
 Each entry maps a name to the node kind and the runtime call behind it. The frontends
-(``fuse.py`` now, the 9P export later) only translate this tree; adding a file is one line
-here plus the runtime method it calls.
+(``fuse.py``, and ``ninep.py`` for ``--9p``) only translate this tree; adding a file is one
+line here plus the runtime method it calls.
 """
 
 from __future__ import annotations
@@ -86,9 +86,15 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "state": text("state", lambda: s.state.value + "\n"),
         "statewait": StateWait(("s", u, "statewait"), s.state, lambda: s.closed),
         "cfg": Control(
-            ("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live, stamp=stamp("cfg")
+            ("s", u, "cfg"),
+            s.write_cfg,
+            s.cfg_text,
+            perm=0o666,
+            live=live,
+            stamp=stamp("cfg"),
+            refused=s.refused,
         ),
-        "ctl": Control(("s", u, "ctl"), s.ctl, live=live, stamp=stamp("ctl")),
+        "ctl": Control(("s", u, "ctl"), s.ctl, live=live, stamp=stamp("ctl"), refused=s.refused),
         "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
         "usage": text("usage", a.history.totals.usage_text),
         "cost": text("cost", lambda: reg.cost_text(s)),
@@ -130,7 +136,9 @@ class PeerDir(Dir):
                 raise NotFound(f"peer {other.id} is gone")
             await other.submit(f"[from {sender.id}] {text.strip()}")
 
-        return PromptIn(("s", self.s.uid, "peer", other.uid), send, other.error)
+        # A refused write is the writer's: its reason goes to this session's err (and
+        # chat), where the writer looks, not to the peer, which was never reached.
+        return PromptIn(("s", self.s.uid, "peer", other.uid), send, sender.refused)
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         return [(o.id, self._file(o)) for o in self.reg.family(self.s)]
@@ -185,11 +193,14 @@ class SessionsDir(Dir):
             try:
                 return (await reg.create(text)).id + "\n"
             except OllieError as err:
-                reg.refused(f"s/new: {err}")
+                reason = str(err)  # the parser's reasons already name s/new
+                reg.refused(reason if reason.startswith("s/new: ") else f"s/new: {reason}")
                 raise
 
         return {
-            "new": Control(("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666),
+            "new": Control(
+                ("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666, refused=reg.refused
+            ),
             "idx": Text(("s", "idx"), reg.idx_text, stamp=root_stamp(self.stamps, "s/idx")),
         }
 
@@ -305,7 +316,7 @@ def disk_dirs(reg: Registry) -> dict[str, Node]:
         "tmp": Folder(("tmp",), p.scratch, rules=Rules(writable=True, follow=False, tree=True)),
         "t": tools,
         "p": Folder(("p",), p.config / "prompts", [shipped / "prompts"]),
-        "sk": Skills(("sk",), p.config / "skills"),
+        "sk": Skills(("sk",), p.config / "skills", reg.refused),
         "tr": Folder(
             ("tr",), p.transcripts, rules=Rules(removable=True, follow=False, shown=not_partial)
         ),

@@ -93,6 +93,27 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
 ``no_final_newline``
     End the last event without its trailing blank line (or newline).
 
+Faults that act on the bytes of any answer, whatever its shape (fault tests and
+``bench/bench_faults.py`` use them):
+
+``for_model``
+    Answer only a request for this model; requests for other models skip the entry (and
+    take the next one that fits, or the fallback). Sessions that each use a model name of
+    their own can so run scripts side by side on one server, and ``ReplayServer.recorded``
+    counts each one's requests (its retries) apart.
+``headers``
+    Extra response headers, ``{"name": "value"}``.
+``cut_after``
+    Close the connection after that many bytes of the response body (HTTP chunk framing
+    not counted), wherever they fall: inside an event, inside a UTF-8 sequence, inside an
+    HTTP chunk (whose announced size then never arrives).
+``byte_delay``
+    Send the body one byte at a time, each in its own HTTP chunk, this many seconds apart
+    (a slow-loris server: a byte a second keeps any per-read timeout from ever firing).
+``silent``
+    Read the request and answer nothing at all, not even a status line, until the client
+    goes away or the server stops (a server that accepted and hung).
+
 When the script runs out the server is in echo mode: it replies ``echo: <text of the last
 user message>``, so it is useful with no script at all. With ``then="error"`` it answers
 500 ``replay script exhausted`` instead.
@@ -166,6 +187,11 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     garbage: str | None = None
     keepalive: bool = False
     no_final_newline: bool = False
+    for_model: str | None = None
+    headers: dict[str, str] = {}
+    cut_after: Count | None = None
+    byte_delay: NonNegative = 0.0
+    silent: bool = False
 
 
 def parse_script(text: str) -> list[Entry]:
@@ -183,12 +209,14 @@ def parse_script(text: str) -> list[Entry]:
 
 
 class Recorded(msgspec.Struct, frozen=True):
-    """One model request as the server received it (header names in lower case)."""
+    """One model request as the server received it (header names in lower case), and the
+    model it asked for."""
 
     wire: str
     path: str
     headers: dict[str, str]
     body: Any
+    model: str = ""
 
 
 class Script:
@@ -215,13 +243,16 @@ class Script:
         with self._lock:
             return list(self._recorded)
 
-    def take(self, recorded: Recorded, user_text: str) -> tuple[int, Entry]:
-        """Record a request and pick its answer: the next entry, or the fallback."""
+    def take(self, recorded: Recorded, user_text: str, model: str = "") -> tuple[int, Entry]:
+        """Record a request and pick its answer: the next entry for ``model`` (one without
+        ``for_model`` fits any), or the fallback."""
         with self._lock:
             self._recorded.append(recorded)
             n = next(self._counter)
-            if self._entries:
-                return n, self._entries.popleft()
+            for i, entry in enumerate(self._entries):
+                if entry.for_model is None or entry.for_model == model:
+                    del self._entries[i]
+                    return n, entry
         if self.then == "error":
             return n, Entry(status=500, error="replay script exhausted")
         return n, Entry(reply=f"echo: {user_text}")

@@ -107,6 +107,7 @@ class _HTTPServer(ThreadingHTTPServer):
         )
         with self.conn_lock:
             self.connections[request] = t
+            self.replay.accepted += 1
         t.start()
 
     def shutdown_request(self, request: Any) -> None:
@@ -120,8 +121,15 @@ class _HTTPServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+class _Cut(Exception):
+    """The answer was cut short on purpose (``cut_after``, or ``stop`` during
+    ``byte_delay``); the connection is closed."""
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    _faults: Entry | None = None
+    _budget: int | None = None
     # Deltas are small writes that must leave at once: with Nagle's algorithm each would
     # wait for the client's delayed ACK (~40 ms), skewing token latency.
     disable_nagle_algorithm = True
@@ -159,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in headers:
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(body)
+        self._body(body, framed=False)
 
     def _fail(self, wire: Wire, status: int, message: str) -> None:
         body, headers = wire.error_body(status, Entry(error=message))
@@ -342,11 +350,18 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(request, dict):
             return self._fail(wire, 400, "request body must be a JSON object")
         headers = {k.lower(): v for k, v in self.headers.items()}
-        recorded = Recorded(wire.name, self.path, headers, request)
-        n, entry = self.replay.script.take(recorded, wire.user_text(request))
         model = wire.model(request, path_model) or self.replay.models[0]
+        recorded = Recorded(wire.name, self.path, headers, request, model)
+        n, entry = self.replay.script.take(recorded, wire.user_text(request), model)
         answer = Answer(n, entry, model, wire.prompt_chars(request))
-        self._answer(wire, answer, request)
+        self._faults = entry
+        self._budget = entry.cut_after
+        try:
+            self._answer(wire, answer, request)
+        except _Cut:
+            self.close_connection = True
+        finally:
+            self._faults = None
 
     def _ollama_show(self, raw: bytes) -> None:
         try:
@@ -382,6 +397,8 @@ class _Handler(BaseHTTPRequestHandler):
         if entry.first_delay and self.replay._stopping.wait(entry.first_delay):
             self.close_connection = True
             return
+        if entry.silent:
+            return self._hang()
         headers = [
             (name, str(value))
             for name, value in (
@@ -390,6 +407,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
             if value is not None
         ]
+        headers += entry.headers.items()
         if entry.raw is not None:
             return self._raw(wire, entry, headers)
         if entry.body is not None:
@@ -480,7 +498,37 @@ class _Handler(BaseHTTPRequestHandler):
     def _chunk(self, data: bytes) -> None:
         """Write one HTTP chunk (the socket writer is unbuffered: it leaves at once)."""
         if data:
-            self.wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._body(data, framed=True)
+
+    def _body(self, data: bytes, *, framed: bool) -> None:
+        """Every byte of a body leaves here, so the byte-level faults (``cut_after``,
+        ``byte_delay``) apply to any answer, whatever its shape; ``framed`` data goes out
+        as HTTP chunks. Raises ``_Cut`` once the connection was dropped on purpose."""
+        entry = self._faults
+        if entry is None or (entry.cut_after is None and not entry.byte_delay):
+            self.wfile.write(b"%x\r\n%b\r\n" % (len(data), data) if framed else data)
+            return
+        size = len(data)
+        if self._budget is not None and self._budget < size:
+            data, cut = data[: self._budget], True
+        else:
+            cut = False
+        if self._budget is not None:
+            self._budget -= len(data)
+        if entry.byte_delay:
+            for i in range(len(data)):
+                byte = data[i : i + 1]
+                self.wfile.write(b"1\r\n%b\r\n" % byte if framed else byte)
+                if self.replay._stopping.wait(entry.byte_delay):
+                    raise _Cut
+        elif framed:
+            # the chunk's full size is announced, then only part of it comes
+            self.wfile.write(b"%x\r\n%b" % (size, data) + (b"" if cut else b"\r\n"))
+        else:
+            self.wfile.write(data)
+        if cut:
+            self._drop()
+            raise _Cut
 
     def _drop(self) -> None:
         """Close the connection mid-response: FIN, not RST, so the client reads what was
@@ -538,6 +586,7 @@ class ReplayServer:
         self._stopping = threading.Event()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.accepted = 0  # TCP connections accepted so far (keep-alive tests count them)
 
     @property
     def then(self) -> str:

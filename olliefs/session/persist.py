@@ -57,8 +57,14 @@ class Ev(msgspec.Struct, tag="ev"):
     ev: Event
 
 
-class Msg(msgspec.Struct, tag="msg"):
+class Msg(msgspec.Struct, tag="msg", omit_defaults=True):
+    """A history message. ``streamed``: its ``content`` and ``reasoning`` were left out
+    because they are the text of the ``assistant`` / ``reasoning`` events journaled since
+    the previous ``msg`` record (see ``StreamedText``); journals written before the field
+    existed never set it, so they load as they always did."""
+
     msg: Message
+    streamed: bool = False
 
 
 class UsageRec(msgspec.Struct, tag="usage"):
@@ -138,6 +144,70 @@ Record = (
     | Plan
     | Replaced
 )
+
+
+class StreamedText:
+    """Keeps a streamed reply's text out of its ``msg`` record: the journal holds it once.
+
+    A reply reaches the journal twice by nature: as the ``assistant`` (and ``reasoning``)
+    events that stream it, coalesced per scheduler tick, and as the history message made
+    of it when the reply ends. The message record is where the copy can go: when its
+    ``content`` and ``reasoning`` are exactly the concatenation of the ``assistant`` and
+    ``reasoning`` event texts journaled since the previous ``msg`` record, they are left
+    out and the record says ``streamed``; replay puts them back from the same events.
+
+    The rule looks only at the sequence of records, so the writer (``pack``, on every
+    record appended) and the reader (``unpack``, on every record replayed) follow the same
+    state, and anything that breaks the equality (a retried reply whose cut first attempt
+    streamed too, a message that was never streamed) is simply written whole. A SIGKILL
+    between the events and the message loses nothing either way: the events are written
+    as they come, and a message that never reached the journal was never acknowledged.
+    """
+
+    __slots__ = ("_content", "_reasoning")
+
+    def __init__(self) -> None:
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+
+    def _event(self, ev: Event) -> None:
+        if ev.role == "assistant":
+            self._content.append(ev.content)
+        elif ev.role == "reasoning":
+            self._reasoning.append(ev.content)
+
+    def _reset(self) -> None:
+        self._content = []
+        self._reasoning = []
+
+    def pack(self, rec: Record) -> Record:
+        """The record to write for ``rec`` (``rec`` itself, or its message elided)."""
+        if isinstance(rec, Ev):
+            self._event(rec.ev)
+        elif isinstance(rec, Msg):
+            m = rec.msg
+            if (
+                not rec.streamed
+                and m.role == "assistant"
+                and (self._content or self._reasoning)
+                and m.content == "".join(self._content)
+                and m.reasoning == "".join(self._reasoning)
+            ):
+                rec = Msg(msgspec.structs.replace(m, content="", reasoning=""), streamed=True)
+            self._reset()
+        return rec
+
+    def unpack(self, rec: Record) -> Record:
+        """``rec`` as it was before ``pack`` (a ``streamed`` message gets its text back)."""
+        if isinstance(rec, Ev):
+            self._event(rec.ev)
+        elif isinstance(rec, Msg):
+            if rec.streamed:
+                text, reasoning = "".join(self._content), "".join(self._reasoning)
+                rec = Msg(msgspec.structs.replace(rec.msg, content=text, reasoning=reasoning))
+            self._reset()
+        return rec
+
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)

@@ -141,6 +141,7 @@ class Session:
         self.plan = ""
         self.models_text = ""  # the ``models`` file (filled from the backend pool)
         self.queued = trio.lowlevel.ParkingLot()  # fifo.out readers wait here
+        self._streamed = persist.StreamedText()
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
         self.agent = Agent(
@@ -194,11 +195,19 @@ class Session:
 
     def record(self, rec: Record) -> None:
         if not self._replaying:
-            self.journal.append(rec)
+            self.journal.append(self._streamed.pack(rec))
 
     def emit(
         self, role: EventRole, content: str = "", name: str = "", response_id: str = ""
     ) -> None:
+        """One event: journaled, then shown in ``chat``, ``events`` and the root ``events``.
+
+        A streamed reply arrives here already coalesced: the backend makes one delta of
+        everything it parsed from one network read (``olliefs.backend.stream``), so a
+        10 MB reply in 50-byte deltas is a few hundred events, journal writes and reader
+        wake-ups, not 200,000; and ``message_added`` leaves the reply's text out of its
+        ``msg`` record when these events already hold it (``persist.StreamedText``).
+        """
         ev = Event(time.time(), self.id, self.uid, role, name, content, response_id)
         self.record(persist.Ev(ev))
         self._show(ev)
@@ -593,9 +602,11 @@ class Session:
         ended: set[int] = set()
         dropped: set[int] = set()
         history = self.agent.history
+        streamed = persist.StreamedText()
         lost: list[tuple[int, list[Message], int]] = []
         try:
             for rec in records:
+                rec = streamed.unpack(rec)
                 if isinstance(rec, persist.Prompt):
                     prompts[rec.seq] = rec.text
                     self._seq = max(self._seq, rec.seq)
@@ -650,6 +661,10 @@ class Session:
                     self.agent.link.set_wanted(rec.names)
         finally:
             self._replaying = False
+        # Writing on from here, the journal's next message is packed against the events
+        # the replay ended with (a restored journal ends where a turn ended or was cut, so
+        # this is normally empty; it matters only for a journal cut between the two).
+        self._streamed = streamed
         for k, messages, size in lost:
             log.warning("session %s: branches/%d rebuilt from the journal", self.id, k)
             persist.write_branch(self.host.branches_dir(self), k, messages, self.chat.read(0, size))

@@ -85,14 +85,20 @@ class ToolsrvConn:
             raise ToolsrvError(f"toolsrv: tools/: {err.ename}") from None
 
     async def meta(self, name: str) -> tuple[ToolMeta, dict[str, Any]]:
-        async with trio.open_nursery() as n:
-            got: dict[str, bytes] = {}
+        got: dict[str, bytes] = {}
 
-            async def get(file: str) -> None:
-                got[file] = await self._read(f"tools/{name}/{file}")
+        async def get(file: str) -> None:
+            got[file] = await self._read(f"tools/{name}/{file}")
 
-            n.start_soon(get, "meta")
-            n.start_soon(get, "schema")
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(get, "meta")
+                n.start_soon(get, "schema")
+        except* ToolsrvError as group:
+            # The nursery wraps the failure in a group, which callers that catch
+            # ToolsrvError (a tool toolsrv does not serve: a script written through t/
+            # without a valid header) would let through as a daemon failure (EIO).
+            raise group.exceptions[0] from None
         return _meta.decode(got["meta"]), _schema.decode(got["schema"])
 
     async def metas(self, names: list[str]) -> dict[str, tuple[ToolMeta, dict[str, Any]]]:

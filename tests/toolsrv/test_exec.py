@@ -763,6 +763,22 @@ needs_mount_ns = pytest.mark.skipif(
 )
 
 
+MAX_TRIES = 50
+
+
+async def joined(b: Box) -> None:
+    """Run calls until one joins a kept namespace (a host mount change in between drops
+    them all, so on a busy host the first tries may not)."""
+    cache = b.executor.spawner.mount_ns
+    assert cache is not None
+    for _ in range(MAX_TRIES):
+        before = cache.hits
+        await b.run(["true"])
+        if cache.hits > before:
+            return
+    raise AssertionError(f"no call joined a kept namespace in {MAX_TRIES} tries")
+
+
 @needs_mount_ns
 async def test_calls_alike_join_one_kept_namespace(exec_box: Box) -> None:
     """The second call with the same roots joins the namespace the first one made, and is
@@ -771,12 +787,17 @@ async def test_calls_alike_join_one_kept_namespace(exec_box: Box) -> None:
     targets = [b.cwd / ".git" / "hooks" / "x", b.cwd / "src" / "x", b.outside / "etc" / "x"]
     cache = b.executor.spawner.mount_ns
     assert cache is not None
-    for _ in range(3):
+    # Any mount or unmount on the host (another test's FUSE mount going away) drops the
+    # kept namespaces: run until two calls in a row joined one, as they do on a quiet host.
+    for _ in range(MAX_TRIES):
+        before = cache.hits
         got = outcomes(await b.run(py(WRITER, *map(str, targets))))
         assert got[str(targets[0])] in ("EROFS", "EACCES")
         assert got[str(targets[1])] == "ok"
         assert got[str(targets[2])] in ("EROFS", "EACCES")
-    assert cache.hits >= 2
+        if cache.hits > before:
+            break
+    assert cache.hits >= 1
 
 
 @needs_mount_ns
@@ -821,9 +842,7 @@ async def test_a_host_mount_change_drops_the_kept_namespaces(exec_box: Box) -> N
     b = exec_box
     cache = b.executor.spawner.mount_ns
     assert cache is not None
-    await b.run(["true"])
-    await b.run(["true"])
-    assert cache.hits >= 1
+    await joined(b)
     mnt = b.outside / "mnt"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "none", str(mnt)], check=True)

@@ -136,10 +136,9 @@ async def test_content_reasoning_usage_and_done() -> None:
         )
     )
     assert events == [
-        StreamEvent("reasoning", text="think"),
-        StreamEvent("reasoning", text="ing"),
-        StreamEvent("content", text="Hel"),
-        StreamEvent("content", text="lo"),
+        # deltas read together come merged (stream.coalesce)
+        StreamEvent("reasoning", text="thinking"),
+        StreamEvent("content", text="Hello"),
         StreamEvent("usage", usage=Usage(input_tokens=12, output_tokens=5)),
         StreamEvent("done", finish_reason="stop", response_id="chatcmpl-1"),
     ]

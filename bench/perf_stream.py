@@ -1,0 +1,708 @@
+"""Stream and runtime figures of issue 10 (items 2, 3 and the 200-session row of item 5).
+
+Run: ``.venv/bin/python bench/perf_stream.py`` (root, /dev/fuse): prints one table. It
+asserts nothing; every reference is measured in the same run. ``bench/perf.py`` imports
+``rows()`` and prints these rows in its own table.
+
+(1) token -> blocked ``stream`` reader: the replay server sends a reply one token at a time
+    (10 ms apart, so each travels alone) and notes when each was written to the socket; a
+    thread blocked in ``read`` on ``s/<id>/stream`` notes when it got it. Reference: an
+    httpx client reading the same stream from the replay server directly.
+(2) 10 MB reply through ``stream``, in 4 KB and in 50-byte deltas: from the first to the
+    last byte of the reply at a reader of ``stream`` (every byte checked). The replay server
+    sends a prepared SSE body in 64 KiB writes, so the figure is the daemon's, not the
+    server's. Reference: httpx reading the same body directly. Also the growth of the
+    session journal per byte of reply (target: the text once, about 1x).
+(3) prompt write returning -> the first byte of the request at the LLM server, p50 over
+    the first turns and over turns 481-500 of one session; and the TCP connections those
+    500 turns used. The server is a small one of this script that notes the time of the
+    first ``recv`` of each request. Reference: an httpx client on a kept-alive connection,
+    from the call to the first byte (what HTTP itself costs).
+(4) 200 sessions streaming at once, 200 tokens/s each: a pacer thread sends every stream
+    one token each 5 ms (a late tick sends the tokens it owes in one write); a ``cat``
+    per session follows ``stream`` into a file. Over a window in which every stream is
+    running: tokens offered (sent by the pacer) and
+    delivered (bytes the readers got / token size) per second, and the daemon's CPU.
+
+``STREAM_SESSIONS`` / ``STREAM_RATE`` / ``STREAM_TURNS`` change the sizes of (4) and (3);
+``STREAM_PARTS=13`` runs only sections (1) and (3).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from olliefs.replay import ReplayServer, parse_script
+from olliefs.replay.script import Entry
+from olliefs.testing import Daemon
+
+SESSIONS = int(os.environ.get("STREAM_SESSIONS", "200"))
+RATE = float(os.environ.get("STREAM_RATE", "200"))  # tokens per second per session
+TURNS = int(os.environ.get("STREAM_TURNS", "500"))
+PARTS = os.environ.get("STREAM_PARTS", "1234")  # which of the sections below to run
+TOKENS = 200
+GAP = 0.01
+BIG = 10 * 1000 * 1000
+
+
+# The same Row as bench/perf_common.py (helper "perffs"; ``perf.py`` prints these rows with
+# its ``table``), defined here too so this script runs on a tree without that module.
+@dataclass
+class Row:
+    name: str
+    ours: float
+    ref: float | None
+    unit: str
+    target: str
+    ok: bool | None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ref is None or self.ref == 0:
+            return None
+        return self.ours / self.ref
+
+
+def p50(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def p99(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+# ---- (1) token latency ---------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.sent: dict[str, float] = {}
+
+    def on_send(self, text: str, t: float) -> None:
+        self.sent.setdefault(text, t)
+
+
+def token_script() -> str:
+    reply = "".join(f"<{i:04d}>" for i in range(TOKENS))
+    return f'{{"reply": "{reply}", "chunk": 6, "delay": {GAP}}}'
+
+
+def receive_times(chunks: list[tuple[bytes, float]]) -> dict[str, float]:
+    """When each ``<NNNN>`` token was first complete in what the reader had."""
+    seen = b""
+    out: dict[str, float] = {}
+    for data, t in chunks:
+        start = len(seen)
+        seen += data
+        i = seen.find(b"<", max(start - 5, 0))
+        while i >= 0 and i + 6 <= len(seen):
+            tok = seen[i : i + 6].decode(errors="replace")
+            if tok[0] == "<" and tok[-1] == ">":
+                out.setdefault(tok, t)
+            i = seen.find(b"<", i + 1)
+    return out
+
+
+def lat(clock: Clock, got: dict[str, float]) -> list[float]:
+    return [got[tok] - t for tok, t in clock.sent.items() if tok in got]
+
+
+def token_direct(clock: Clock, srv: ReplayServer) -> list[float]:
+    chunks: list[tuple[bytes, float]] = []
+    body = {"model": "replay", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    with (
+        httpx.Client() as client,
+        client.stream("POST", srv.url + "/chat/completions", json=body) as r,
+    ):
+        for data in r.iter_raw():
+            chunks.append((data, time.monotonic()))
+    return lat(clock, receive_times(chunks))
+
+
+@contextmanager
+def reader(path: Path) -> Iterator[list[tuple[bytes, float]]]:
+    """A thread blocked on ``path`` (a blocking file) noting each read; ends at EOF."""
+    chunks: list[tuple[bytes, float]] = []
+    fd = os.open(path, os.O_RDONLY)
+
+    def run() -> None:
+        while data := os.read(fd, 1 << 20):
+            chunks.append((data, time.monotonic()))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield chunks
+    finally:
+        t.join(30)
+        os.close(fd)
+
+
+def token_olliefs(clock: Clock, d: Daemon) -> list[float]:
+    sid = d.new(name="tok")
+    with reader(d.p(f"s/{sid}/stream")) as chunks:
+        d.prompt(sid, "go")
+        d.wait_idle(sid)
+        d.write(f"s/{sid}/ctl", "kill")  # EOF ends the reader
+    return lat(clock, receive_times(chunks))
+
+
+# ---- (2) throughput --------------------------------------------------------------------------
+
+
+def sse_body(text: str, delta: int) -> bytes:
+    """An OpenAI chat-completions stream of ``text`` in ``delta``-byte deltas."""
+    enc = msgspec.json.encode
+    frames = []
+    for i in range(0, len(text), delta):
+        chunk = {
+            "id": "chatcmpl-big",
+            "object": "chat.completion.chunk",
+            "model": "replay",
+            "choices": [{"index": 0, "delta": {"content": text[i : i + delta]}}],
+        }
+        frames.append(b"data: " + enc(chunk) + b"\n\n")
+    stop = {"id": "chatcmpl-big", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    frames.append(b"data: " + enc(stop) + b"\n\ndata: [DONE]\n\n")
+    return b"".join(frames)
+
+
+def big_text() -> str:
+    line = "".join(chr(97 + i % 26) for i in range(99)) + "\n"
+    return (line * (BIG // len(line) + 1))[:BIG]
+
+
+def big_entry(body: bytes) -> Entry:
+    return Entry(raw=body, raw_chunk=65536, content_type="text/event-stream")
+
+
+def throughput_direct(srv: ReplayServer, body: bytes) -> float:
+    srv.add([big_entry(body)])
+    req = {"model": "replay", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    with httpx.Client() as client:
+        t0 = 0.0
+        n = 0
+        with client.stream("POST", srv.url + "/chat/completions", json=req) as r:
+            for data in r.iter_raw():
+                t0 = t0 or time.monotonic()
+                n += len(data)
+        dt = time.monotonic() - t0
+    assert n == len(body)
+    return BIG / dt / 1e6
+
+
+def throughput_olliefs(d: Daemon, body: bytes, text: str, name: str) -> tuple[float, float]:
+    """MB/s from the prompt write to the whole reply at a ``stream`` reader; and the
+    journal growth over the reply size."""
+    sid = d.new(name=name)
+    d.prompt(sid, "warm")
+    d.wait_idle(sid)
+    journal = next((d.home / "state" / "sessions").glob("*.jsonl"), None)
+    journals = {p: p.stat().st_size for p in (d.home / "state" / "sessions").glob("*.jsonl")}
+    assert journal is not None
+    fd = os.open(d.p(f"s/{sid}/stream"), os.O_RDONLY)
+    try:
+        start = len(os.read(fd, 1 << 20))  # the chat so far; the reader is at its end
+        want = start + len("user: go\nassistant: ") + len(text)
+        d.replay.add([big_entry(body)])
+        got = bytearray()
+        d.prompt(sid, "go")
+        head = len("user: go\nassistant: ")
+        t0 = 0.0
+        while start + len(got) < want:
+            data = os.read(fd, 1 << 20)
+            assert data, "stream ended early"
+            got += data
+            if not t0 and len(got) > head:
+                t0 = time.monotonic()  # the reply's first byte
+        dt = time.monotonic() - t0
+    finally:
+        os.close(fd)
+    assert bytes(got).decode() == "user: go\nassistant: " + text, "the reply differs"
+    d.wait_idle(sid)
+    after = {p: p.stat().st_size for p in (d.home / "state" / "sessions").glob("*.jsonl")}
+    growth = sum(after[p] - journals.get(p, 0) for p in after)
+    d.write(f"s/{sid}/ctl", "kill")
+    return BIG / dt / 1e6, growth / BIG
+
+
+# ---- a tiny OpenAI-shaped server for (3) and (4) ---------------------------------------------
+
+MODELS = b'{"object":"list","data":[{"id":"replay","object":"model"}]}'
+
+
+def _frame(text: str) -> bytes:
+    ev = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":%b}}]}\n\n' % (
+        msgspec.json.encode(text)
+    )
+    return b"%x\r\n%b\r\n" % (len(ev), ev)
+
+
+_TAIL = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+class Stream:
+    def __init__(self, conn: socket.socket, tokens: int) -> None:
+        self.conn = conn
+        self.total = tokens
+        self.left = tokens
+        self.start = 0.0
+        self.done = threading.Event()
+
+
+class TinyServer:
+    """HTTP/1.1 with keep-alive; notes the first ``recv`` of every POST; answers "ok" at
+    once, or, when ``paced``, hands the stream to the pacer (one token a tick)."""
+
+    def __init__(
+        self, paced_tokens: int = 0, rate: float = RATE, token: str = "tok|", hold: int = 0
+    ) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.accepted = 0
+        self.first_bytes: list[float] = []
+        self.posted = threading.Semaphore(0)
+        self.paced_tokens = paced_tokens
+        self.interval = 1 / rate
+        self.token = _frame(token)
+        self.sent = 0  # tokens the pacer wrote
+        self.ticks = 0  # rounds of the pacer
+        self.hold = hold  # streams to wait for before pacing any
+        self.started = threading.Event()  # set when they are all there
+        self.streams: list[Stream] = []
+        self.lock = threading.Lock()
+        self.stopping = False
+        threading.Thread(target=self._accept, daemon=True).start()
+        if paced_tokens:
+            threading.Thread(target=self._pace, daemon=True).start()
+
+    def close(self) -> None:
+        self.stopping = True
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while not self.stopping:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.accepted += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    if not buf:
+                        t_first = time.monotonic()
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        length = int(v)
+                while len(buf) < length:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                buf = buf[length:]
+                if head.startswith(b"GET"):
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%b" % (len(MODELS), MODELS)
+                    )
+                    continue
+                self.first_bytes.append(t_first)
+                self.posted.release()
+                if self.paced_tokens:
+                    conn.sendall(_STREAM_HEAD)
+                    s = Stream(conn, self.paced_tokens)
+                    with self.lock:
+                        self.streams.append(s)
+                    s.done.wait()
+                else:
+                    ev = _frame("ok")
+                    tail = b"%x\r\n%b\r\n0\r\n\r\n" % (len(_TAIL), _TAIL)
+                    conn.sendall(_STREAM_HEAD + ev + tail)
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def _pace(self) -> None:
+        """Each tick, every running stream gets the tokens it is due by now (``rate`` a
+        second from its start): one token a tick while the pacer keeps up; a tick that
+        comes late (a loaded machine) sends what it owes in one write, so the tokens
+        offered per second stay the nominal rate."""
+        tail = b"%x\r\n%b\r\n0\r\n\r\n" % (len(_TAIL), _TAIL)
+        rate = 1 / self.interval
+        while not self.stopping:
+            now = time.monotonic()
+            self.ticks += 1
+            with self.lock:
+                streams = list(self.streams)
+            if len(streams) < self.hold and not self.started.is_set():
+                streams = []  # every stream starts together, once all have asked
+            elif self.hold:
+                self.started.set()
+            for s in streams:
+                try:
+                    if not s.start:
+                        s.start = now
+                    due = min(int((now - s.start) * rate) + 1, s.total) - s.total + s.left
+                    if due > 0:
+                        s.conn.send(self.token * due)
+                        s.left -= due
+                        self.sent += due
+                    elif not s.left:
+                        s.conn.send(tail)
+                        raise OSError
+                except OSError:
+                    with self.lock:
+                        self.streams.remove(s)
+                    s.done.set()
+            delay = now + self.interval - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+
+# ---- (3) prompt -> request ---------------------------------------------------------------
+
+
+def overhead_direct(srv: TinyServer, n: int = 200) -> list[float]:
+    out = []
+    body = {"model": "replay", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    with httpx.Client() as client:
+        for _ in range(n):
+            t0 = time.monotonic()
+            with client.stream("POST", srv.url + "/chat/completions", json=body) as r:
+                srv.posted.acquire()
+                out.append(srv.first_bytes[-1] - t0)
+                r.read()
+    return out
+
+
+def overhead_olliefs(d: Daemon, srv: TinyServer, turns: int, name: str = "turns") -> list[float]:
+    sid = d.new(name=name)
+    out = []
+    for i in range(turns):
+        d.prompt(sid, f"turn {i}")
+        t0 = time.monotonic()
+        srv.posted.acquire()
+        out.append(srv.first_bytes[-1] - t0)
+        d.wait_idle(sid)
+    return out
+
+
+# ---- (4) many streams --------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pacer_process(conn: Connection, tokens: int, hold: int, shared: Any, started: Any) -> None:
+    """The paced server, in a process of its own: in the bench's process its threads
+    competed for one GIL with the measuring thread, which then woke seconds late."""
+    srv = TinyServer(paced_tokens=tokens, rate=RATE, hold=hold)
+    conn.send(srv.url)
+    while True:
+        with shared.get_lock():
+            shared[0], shared[1] = srv.sent, srv.ticks
+            shared[2] = min((st.left for st in list(srv.streams)), default=0)
+        if srv.started.is_set():
+            started.set()
+        time.sleep(0.005)
+
+
+def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[Row]:
+    tokens = int(RATE * (window + 3))
+    ctx = multiprocessing.get_context("fork")
+    shared = ctx.Array("q", 3)  # tokens sent, pacer rounds, fewest tokens left
+    started = ctx.Event()
+    ours, theirs = ctx.Pipe()
+    pacer = ctx.Process(target=_pacer_process, args=(theirs, tokens, SESSIONS, shared, started))
+    pacer.start()
+    url = ours.recv()
+    d = Daemon(base, replay, {"OLLIE_OPENAI_URL": url, "OLLIE_READ_TIMEOUT": "30"})
+    d.start()
+    outs: list[Path] = []
+    cats: list[subprocess.Popen[bytes]] = []
+
+    def sample() -> tuple[int, int, int]:
+        with shared.get_lock():
+            return shared[0], shared[1], shared[2]
+
+    try:
+        sids = [d.new(name=f"m{i}") for i in range(SESSIONS)]
+        for sid in sids:
+            out = base / f"{sid}.out"
+            outs.append(out)
+            with open(out, "wb") as f:
+                cats.append(subprocess.Popen(["cat", str(d.p(f"s/{sid}/stream"))], stdout=f))
+        for sid in sids:
+            d.prompt(sid, "go")
+        if not started.wait(120):
+            raise RuntimeError("not every session reached the server")
+        assert d.proc is not None
+        pid = d.proc.pid
+
+        def delivered() -> int:
+            return sum(p.stat().st_size for p in outs)
+
+        time.sleep(0.5)  # every stream well started
+        (s0, k0, _), b0, c0, t0 = sample(), delivered(), cpu_seconds(pid), time.monotonic()
+        time.sleep(window)
+        (s1, k1, left), b1, c1, t1 = sample(), delivered(), cpu_seconds(pid), time.monotonic()
+        ticks = (k1 - k0) / (t1 - t0)
+        running = SESSIONS
+    finally:
+        pacer.kill()
+        pacer.join()
+        for c in cats:
+            c.kill()
+            c.wait()
+        d.stop()
+    dt = t1 - t0
+    offered = (s1 - s0) / dt
+    got = (b1 - b0) / 4 / dt
+    cpu = (c1 - c0) / dt * 100
+    note = f"{SESSIONS} sessions x {RATE:g} tok/s; window {dt:.1f} s; pacer {ticks:.0f} rounds/s"
+    note += f"; {running} streams running"
+    if left == 0:
+        note += "; WARNING: some stream ended inside the window"
+    return [
+        Row(
+            "200 streams: tokens delivered/s",
+            got,
+            offered,
+            "tok/s",
+            ">= 0.98x offered",
+            got >= 0.98 * offered,
+            note,
+        ),
+        Row(
+            "200 streams: tokens offered/s",
+            offered,
+            SESSIONS * RATE,
+            "tok/s",
+            "= sessions x rate",
+            offered >= 0.98 * SESSIONS * RATE,
+            "what the pacer sent",
+        ),
+        Row(
+            "200 streams: daemon CPU",
+            cpu,
+            None,
+            "%",
+            "(printed)",
+            None,
+            "utime+stime of the daemon over the window, 100% = one core",
+        ),
+    ]
+
+
+# ---- the table ---------------------------------------------------------------------------
+
+
+def rows() -> list[Row]:
+    out: list[Row] = []
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as tmp, ReplayServer(on_send=clock.on_send) as srv:
+        base = Path(tmp)
+        if "1" in PARTS or "2" in PARTS:
+            out += token_and_throughput(base / "a", srv, clock)
+        if "3" in PARTS:
+            out += overhead(base / "b", srv)
+        if "4" in PARTS:
+            (base / "c").mkdir()
+            out += many_streams(base / "c", srv)
+    return out
+
+
+def token_and_throughput(base: Path, srv: ReplayServer, clock: Clock) -> list[Row]:
+    out: list[Row] = []
+    base.mkdir()
+    d = Daemon(base, srv, {"OLLIE_READ_TIMEOUT": "30"})
+    d.start()
+    try:
+        if "1" in PARTS:
+            srv.add(parse_script(token_script()))
+            ref = token_direct(clock, srv)
+            clock.sent.clear()
+            srv.add(parse_script(token_script()))
+            ours = token_olliefs(clock, d)
+            out.append(
+                Row(
+                    "token -> blocked stream reader p50",
+                    p50(ours) * 1e3,
+                    p50(ref) * 1e3,
+                    "ms",
+                    "<= 2x ref",
+                    p50(ours) <= 2 * p50(ref),
+                    "ref: httpx reading the replay server directly",
+                )
+            )
+            out.append(
+                Row(
+                    "token -> blocked stream reader p99",
+                    p99(ours) * 1e3,
+                    p99(ref) * 1e3,
+                    "ms",
+                    "< 2 ms",
+                    p99(ours) < 2e-3,
+                    "",
+                )
+            )
+        if "2" in PARTS:
+            text = big_text()
+            for delta, target in ((4096, 200.0), (50, 20.0)):
+                body = sse_body(text, delta)
+                direct = throughput_direct(srv, body)
+                rate, growth = throughput_olliefs(d, body, text, f"big{delta}")
+                out.append(
+                    Row(
+                        f"10 MB reply via stream, {delta} B deltas",
+                        rate,
+                        direct,
+                        "MB/s",
+                        f">= {target:g} MB/s",
+                        rate >= target,
+                        "first to last byte of the reply at the reader; ref: httpx direct",
+                    )
+                )
+                out.append(
+                    Row(
+                        f"journal growth / reply size, {delta} B deltas",
+                        growth,
+                        1.0,
+                        "x",
+                        "< 1.3x",
+                        growth < 1.3,
+                        "the reply's text journaled once",
+                    )
+                )
+    finally:
+        d.stop()
+    return out
+
+
+def overhead(base: Path, srv: ReplayServer) -> list[Row]:
+    tiny = TinyServer()
+    try:
+        base.mkdir()
+        d = Daemon(base, srv, {"OLLIE_OPENAI_URL": tiny.url, "OLLIE_READ_TIMEOUT": "60"})
+        d.start()
+        try:
+            per_turn = overhead_olliefs(d, tiny, TURNS)
+        finally:
+            d.stop()
+        conns = tiny.accepted  # before the reference client opens its own
+        direct_oh = overhead_direct(tiny)
+    finally:
+        tiny.close()
+    first, last = per_turn[1:21], per_turn[-20:]
+    return [
+        Row(
+            "prompt write -> request at server p50, turns 2-21",
+            p50(first) * 1e3,
+            p50(direct_oh) * 1e3,
+            "ms",
+            "< 2 ms",
+            p50(first) < 2e-3,
+            "ref: httpx call -> first byte, kept-alive",
+        ),
+        Row(
+            f"prompt write -> request at server p50, turns {TURNS - 19}-{TURNS}",
+            p50(last) * 1e3,
+            p50(first) * 1e3,
+            "ms",
+            "< 2 ms, flat",
+            p50(last) < 2e-3,
+            "ref: the same at turns 2-21",
+        ),
+        Row(
+            f"TCP connections for {TURNS} turns",
+            conns,
+            1,
+            "conn",
+            "1",
+            conns == 1,
+            "keep-alive (model list included)",
+        ),
+    ]
+
+
+def table(rs: Sequence[Row]) -> str:
+    head = ("figure", "ours", "ref", "ratio", "unit", "target", "", "note")
+    lines = [head]
+    for r in rs:
+        ratio = "-" if not r.ref else f"{r.ours / r.ref:.2f}x"
+        verdict = "" if r.ok is None else ("OK" if r.ok else "MISS")
+        lines.append(
+            (
+                r.name,
+                _num(r.ours),
+                "-" if r.ref is None else _num(r.ref),
+                ratio,
+                r.unit,
+                r.target,
+                verdict,
+                r.note,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    return "\n".join(
+        (
+            "  ".join(c.ljust(w) for c, w in zip(line[:-1], widths, strict=True)) + "  " + line[-1]
+        ).rstrip()
+        for line in lines
+    )
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.3f}"
+
+
+def main() -> int:
+    print(table(rows()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
