@@ -16,6 +16,7 @@ from pathlib import Path
 from olliefs.errors import NotFound, OllieError
 from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
+    CACHED_TTL,
     STARTED,
     Collected,
     Control,
@@ -30,6 +31,7 @@ from olliefs.fs.nodes import (
     StateWait,
     StaticDir,
     Text,
+    Watchable,
 )
 from olliefs.fs.profiles import ProfilesDir
 from olliefs.session.commands import help_text
@@ -83,7 +85,9 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "chat": LogFile(("s", u, "chat"), s.chat),
         "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),
         "events": LogFile(("s", u, "events"), s.events, blocking=True),
-        "state": text("state", lambda: s.state.value + "\n"),
+        "state": Text(
+            ("s", u, "state"), lambda: s.state.value + "\n", live, None, stamp("state"), s.state
+        ),
         "statewait": StateWait(("s", u, "statewait"), s.state, lambda: s.closed),
         "cfg": Control(
             ("s", u, "cfg"), s.write_cfg, s.cfg_text, perm=0o666, live=live, stamp=stamp("cfg")
@@ -148,14 +152,27 @@ class PeerDir(Dir):
         return not self.s.closed
 
 
+# The sub-directories of a session directory (its nlink, without building its files).
+SESSION_SUBDIRS = ("branches", "peer", "compactions")
+
+
 class SessionDir(StaticDir):
     """``s/<id>/``: unlink inside succeeds and does nothing, so ``rm -r`` reaches rmdir.
 
-    Its name is looked up afresh every time (``entry_ttl`` 0): ``ctl rn`` and ``ctl kill``
-    change it behind the kernel's back.
+    Its name may be cached by the kernel (``entry_ttl``) although ``ctl rn`` and
+    ``ctl kill`` change it behind the kernel's back: both are announced in the session's
+    ``events`` log (a rename emits a line, a kill closes it), its ``entry_watch()``, at
+    which the frontend checks the name and invalidates it if it no longer leads here.
     """
 
-    entry_ttl = 0.0
+    entry_ttl = CACHED_TTL
+    events: Watchable | None = None
+
+    def entry_watch(self) -> Watchable | None:
+        return self.events
+
+    def nlink(self) -> int:
+        return 2 + len(SESSION_SUBDIRS)
 
     async def unlink(self, name: str) -> None:
         pass
@@ -195,12 +212,14 @@ class SessionsDir(Dir):
 
     def _session_dir(self, s: Session) -> Node:
         stamps = self._session_stamps.setdefault(s, {})
-        return SessionDir(
+        d = SessionDir(
             ("s", s.uid),
             lambda: session_files(self.reg, s, stamps),
             lambda: not s.closed,
             born=s.created,
         )
+        d.events = s.events
+        return d
 
     def nlink(self) -> int:
         return 2 + len(self.reg.sessions)
