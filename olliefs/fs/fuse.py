@@ -437,6 +437,11 @@ class Operations(pyfuse3.Operations):
         if flags & pyfuse3.RENAME_NOREPLACE and parent.lookup(new) is not None:
             raise pyfuse3.FUSEError(errno.EEXIST)
         await parent.rename(old, new)
+        # The kernel moves its cached entry to the new name without a lookup: watch it
+        # there, or a later ``ctl rn`` would leave the new name cached.
+        node = parent.lookup(new)
+        if node is not None and node.entry_ttl > 0:
+            self._watch_entry(parent_inode_old, new, node)
 
     @translated
     async def create(
