@@ -20,20 +20,27 @@ from tests.conftest import Daemon, oserror, script
 
 
 def test_a_size_change_is_visible_to_the_next_stat(daemon: Daemon) -> None:
-    daemon.replay.add(script('{"reply": "four score and seven years ago"}'))
+    """A reader woken by new bytes at the end of ``stream`` stats ``chat``: the size
+    counts them (the kernel had cached the size of a moment before)."""
+    daemon.replay.add(script('{"reply": "first-part;second-part", "chunk": 11, "delay": 0.3}'))
     daemon.new(name="sz")
     chat = daemon.p("s/sz/chat")
-    before = os.stat(chat)  # cached by the kernel from here on
-    assert os.stat(chat).st_size == before.st_size
-    daemon.prompt("sz", "hello")
+    with open(daemon.p("s/sz/stream"), "rb") as stream:
+        daemon.prompt("sz", "hello")
+        seen = b""
+        while b"first-part" not in seen:
+            seen += stream.read1(65536)
+        first = os.stat(chat)  # cached by the kernel from here on
+        assert first.st_size >= len(seen)
+        while b"second-part" not in seen:
+            seen += stream.read1(65536)
+        second = os.stat(chat)
+        assert second.st_size >= len(seen) > first.st_size
+        assert second.st_mtime_ns >= first.st_mtime_ns
+        # stream is the same log: its cached size was invalidated as well.
+        assert os.stat(daemon.p("s/sz/stream")).st_size >= len(seen)
     daemon.wait_idle("sz")
-    after = os.stat(chat)
-    text = chat.read_bytes()
-    assert b"four score and seven years ago" in text
-    assert after.st_size == len(text) > before.st_size
-    assert after.st_mtime_ns >= before.st_mtime_ns
-    # stream and events are the same logs: their cached sizes were invalidated as well.
-    assert os.stat(daemon.p("s/sz/stream")).st_size == len(text)
+    assert os.stat(chat).st_size == len(chat.read_bytes())
     assert os.stat(daemon.p("s/sz/events")).st_size == len(daemon.snapshot("s/sz/events"))
 
 
@@ -45,9 +52,9 @@ def test_state_is_current_at_the_next_stat(daemon: Daemon) -> None:
     with open(daemon.p("s/st/statewait"), "rb") as w:
         daemon.prompt("st", "go")
         changed = w.read()  # returns at the first change of state
+    size = os.stat(state).st_size  # before any read (an open refreshes attributes)
     assert changed != b"idle\n"
-    now = state.read_bytes()
-    assert os.stat(state).st_size == len(now) != len(b"idle\n")
+    assert size == len(state.read_bytes()) != len(b"idle\n")
     daemon.write("s/st/ctl", "stop")
     daemon.wait_idle("st")
     assert os.stat(state).st_size == len(b"idle\n")
