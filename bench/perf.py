@@ -31,6 +31,7 @@ from pathlib import Path
 from perf_common import Row, p50, p99, table, within
 
 from olliefs.fs import nodes, spec
+from olliefs.live import StateCell
 from olliefs.replay import ReplayServer
 from olliefs.testing import Daemon
 
@@ -58,10 +59,10 @@ def build_ref(out: Path) -> Path:
 
 def timeouts() -> list[str]:
     """What olliefs tells the kernel, in reffs's argument order."""
-    state = nodes.Text(("s", "x", "state"), lambda: "")
+    state = nodes.Text(("s", "x", "state"), lambda: "", source=StateCell())
     return [
         str(nodes.Dir.attr_ttl),
-        str(state.attr_ttl),
+        str(nodes.CACHED_TTL if state.watch() is not None else state.attr_ttl),
         str(nodes.Node.entry_ttl),
         str(spec.SessionDir.entry_ttl),
         str(int(state.direct_io)),

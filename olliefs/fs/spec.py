@@ -194,6 +194,9 @@ class SessionsDir(Dir):
         self._session_stamps: weakref.WeakKeyDictionary[Session, dict[str, Stamp]] = (
             weakref.WeakKeyDictionary()
         )
+        # The node of each live session's directory, made once: a listing of s/ with
+        # 1,000 sessions would otherwise make 1,000 of them (and as many weak references).
+        self._dirs: dict[str, tuple[Session, SessionDir]] = {}
 
     def _fixed(self) -> dict[str, Node]:
         reg = self.reg
@@ -210,7 +213,15 @@ class SessionsDir(Dir):
             "idx": Text(("s", "idx"), reg.idx_text, stamp=root_stamp(self.stamps, "s/idx")),
         }
 
-    def _session_dir(self, s: Session) -> Node:
+    def _session_dir(self, s: Session) -> SessionDir:
+        got = self._dirs.get(s.uid)
+        if got is not None and got[0] is s:
+            return got[1]
+        d = self._new_session_dir(s)
+        self._dirs[s.uid] = (s, d)
+        return d
+
+    def _new_session_dir(self, s: Session) -> SessionDir:
         stamps = self._session_stamps.setdefault(s, {})
         d = SessionDir(
             ("s", s.uid),
@@ -229,8 +240,12 @@ class SessionsDir(Dir):
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         yield from self._fixed().items()
-        for sid in sorted(self.reg.sessions):
-            yield sid, self._session_dir(self.reg.sessions[sid])
+        sessions = self.reg.sessions
+        if len(self._dirs) > len(sessions):  # some went away: forget their nodes
+            live = {s.uid for s in sessions.values()}
+            self._dirs = {uid: got for uid, got in self._dirs.items() if uid in live}
+        for sid in sorted(sessions):
+            yield sid, self._session_dir(sessions[sid])
 
     def lookup(self, name: str) -> Node | None:
         fixed = self._fixed()
