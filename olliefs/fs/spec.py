@@ -218,8 +218,16 @@ class SessionsDir(Dir):
         if got is not None and got[0] is s:
             return got[1]
         d = self._new_session_dir(s)
+        self._forget_gone()
         self._dirs[s.uid] = (s, d)
         return d
+
+    def _forget_gone(self) -> None:
+        """Drop the nodes of sessions that went away (each holds its session)."""
+        sessions = self.reg.sessions
+        if len(self._dirs) >= len(sessions):
+            live = {s.uid for s in sessions.values()}
+            self._dirs = {uid: got for uid, got in self._dirs.items() if uid in live}
 
     def _new_session_dir(self, s: Session) -> SessionDir:
         stamps = self._session_stamps.setdefault(s, {})
@@ -241,9 +249,8 @@ class SessionsDir(Dir):
     def entries(self) -> Iterable[tuple[str, Node]]:
         yield from self._fixed().items()
         sessions = self.reg.sessions
-        if len(self._dirs) > len(sessions):  # some went away: forget their nodes
-            live = {s.uid for s in sessions.values()}
-            self._dirs = {uid: got for uid, got in self._dirs.items() if uid in live}
+        if len(self._dirs) > len(sessions):
+            self._forget_gone()
         for sid in sorted(sessions):
             yield sid, self._session_dir(sessions[sid])
 
