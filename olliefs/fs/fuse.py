@@ -94,6 +94,7 @@ class Operations(pyfuse3.Operations):
         # Inodes whose attributes, and (parent, name) entries, the kernel may hold in
         # cache with an observer waiting on their source for the next change.
         self._attr_watched: set[int] = set()
+        self._fixed: dict[int, pyfuse3.EntryAttributes] = {}  # of nodes with fixed_attrs
         self._entry_watched: set[tuple[int, str]] = set()
         # Entries to invalidate, by a worker thread (see the module's docstring).
         self._stale_entries: list[tuple[int, str]] = []
@@ -127,8 +128,17 @@ class Operations(pyfuse3.Operations):
         return node
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        if node.fixed_attrs:
+            ino = self._inode(node)
+            a = self._fixed.get(ino)
+            if a is None:
+                a = self._fixed[ino] = self._make_attrs(node, ino)
+            return a
+        return self._make_attrs(node, self._inode(node))
+
+    def _make_attrs(self, node: Node, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
-        a.st_ino = ino = self._inode(node)
+        a.st_ino = ino
         a.st_mode = node.mode
         a.st_nlink = node.nlink() if isinstance(node, Dir) else 1
         a.st_size, ns = node.stat()
@@ -211,6 +221,7 @@ class Operations(pyfuse3.Operations):
             if ino == pyfuse3.ROOT_INODE:
                 continue
             self._parent.pop(ino, None)
+            self._fixed.pop(ino, None)
             node = self._nodes.pop(ino, None)
             if node is not None and self._ino.get(node.key) == ino:
                 del self._ino[node.key]
@@ -347,6 +358,7 @@ class Operations(pyfuse3.Operations):
                 if attrs.st_ino not in self._lookups:  # not sent: the kernel never knew it
                     self._nodes.pop(attrs.st_ino, None)
                     self._ino.pop(node.key, None)
+                    self._fixed.pop(attrs.st_ino, None)
                 break
             self._lookups[attrs.st_ino] = self._lookups.get(attrs.st_ino, 0) + 1
             if attrs.entry_timeout > 0:

@@ -124,6 +124,9 @@ class Node:
     # caching them saves a round trip per path component). A node with a ``watch()``
     # source is cached CACHED_TTL and invalidated when the source changes.
     attr_ttl: float = 0.0
+    # True where mode, size, mtime and nlink never change while the node lives (a
+    # session's directory): the frontend may build its attributes once.
+    fixed_attrs: bool = False
 
     @property
     def mode(self) -> int:

@@ -166,6 +166,8 @@ class SessionDir(StaticDir):
     """
 
     entry_ttl = CACHED_TTL
+    fixed_attrs = True  # empty, born with the session, SESSION_SUBDIRS: a listing of
+    # s/ with 1,000 sessions answers 1,000 of them
     events: Watchable | None = None
 
     def entry_watch(self) -> Watchable | None:
