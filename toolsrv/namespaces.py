@@ -13,11 +13,13 @@ import logging
 import os
 import select
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
@@ -197,11 +199,14 @@ class MountPlan:
     hide_dirs: tuple[str, ...] = ()
     hide_files: tuple[str, ...] = ()
 
-    def apply(self, *, own_ns: bool = False) -> None:
-        """Make the calling thread's view; ``own_ns``: the thread already has a private
-        mount namespace of its own (`private_mount_ns`, done ahead by spare threads)."""
-        if not own_ns:
-            private_mount_ns()
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every path the plan mounts on or from."""
+        return (*self.roots, *self.protect, *self.hide_dirs, *self.hide_files)
+
+    def apply(self) -> None:
+        """Make the calling thread's view, in a private mount namespace of its own."""
+        private_mount_ns()
         # The roots are copied before "/" turns read-only, so the copies keep the flags the
         # host gives them (a read-only mount inside a root stays read-only).
         clones: list[tuple[str, int]] = []
@@ -230,11 +235,147 @@ class MountPlan:
 def private_mount_ns() -> None:
     """Give the calling thread its own copy of the mount tree, propagating nothing back.
 
-    ~85 µs (the copy of every mount): spare threads do it ahead of their job, while the
-    previous tool runs; `MountWatch` says when such a copy has gone stale.
+    ~85 µs (the copy of every mount), and the copy's teardown when its last user is gone
+    waits for an RCU grace period (milliseconds on a busy VM): `MountNsCache` keeps the
+    namespaces it builds, so a call rarely pays either.
     """
     unshare(CLONE_NEWNS)
     mount(None, "/", MS_REC | MS_PRIVATE)
+
+
+def join_mount_ns(fd: int) -> None:
+    """Move the calling thread into the mount namespace ``fd`` (cwd and root become that
+    namespace's root). A thread shares its fs_struct with the process, and setns refuses a
+    mount namespace to a thread that does: unsharing it first is one cheap copy."""
+    unshare(CLONE_FS)
+    setns(fd, CLONE_NEWNS)
+
+
+def this_mount_ns() -> int:
+    """An fd that keeps the calling thread's mount namespace alive (for `join_mount_ns`)."""
+    return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+
+@dataclass(frozen=True)
+class NsKey:
+    """What a kept namespace was made from: the plan, and the identity (st_dev, st_ino) of
+    each path it mounts on or from, in `MountPlan.paths` order."""
+
+    plan: MountPlan
+    ids: tuple[tuple[int, int], ...]
+
+
+@dataclass(eq=False)
+class _Kept:
+    key: NsKey
+    fd: int  # the namespace
+    pins: list[int]  # O_PATH fds of the plan's paths: their inode numbers stay unique
+
+
+class MountNsCache:
+    """Mount namespaces already made to a `MountPlan`, kept for the next calls like it.
+
+    Making a call's namespace (`MountPlan.apply`) costs a copy of the mount tree plus a
+    mount per root and per protected entry, and its teardown once the tool exits waits
+    for an RCU grace period inside the kernel; both were most of a tool call's cost on a
+    busy VM (tens of milliseconds for back-to-back calls). Joining a kept namespace is two
+    syscalls. Calls of one session share a plan (same roots, same protected entries), so
+    nearly every call joins.
+
+    A kept namespace is a snapshot, so its key holds all it depends on: the plan (paths),
+    the identity of every path it mounts on or from, and the host's mount table (any
+    change there, `MountWatch`, drops every kept namespace). A path replaced in the host
+    (a .git removed and cloned again, a root made anew) has a new identity: the kernel
+    detaches the kept namespace's mounts from the old one, so joining would show the new
+    .git unprotected. Identities are only unique while the inode lives, so each kept
+    namespace pins its paths with O_PATH fds: a removed directory's inode number is not
+    given to its replacement while it is pinned. Nothing inside a kept namespace changes:
+    tools have no capabilities and seccomp refuses the mount family, so calls joining one
+    see exactly what a fresh namespace would show. At most ``size`` are kept (least
+    recently used go first).
+    """
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._watch = MountWatch()
+        self._kept: OrderedDict[NsKey, _Kept] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(plan: MountPlan) -> NsKey | None:
+        """The key of ``plan`` now; None if one of its paths is gone."""
+        ids: list[tuple[int, int]] = []
+        for path in plan.paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            ids.append((st.st_dev, st.st_ino))
+        return NsKey(plan, tuple(ids))
+
+    def get(self, key: NsKey | None) -> int | None:
+        """A kept namespace for ``key`` (still owned by the cache), or None."""
+        if self._watch.changed():
+            self.clear()
+        kept = self._kept.get(key) if key is not None else None
+        if kept is None:
+            self.misses += 1
+            return None
+        self._kept.move_to_end(kept.key)
+        self.hits += 1
+        return kept.fd
+
+    @staticmethod
+    def pin(key: NsKey | None) -> list[int] | None:
+        """Pins of ``key``'s paths, taken before its namespace is made: None if a path
+        changed since the key was taken (a namespace made now must not be kept)."""
+        if key is None:
+            return None
+        pins: list[int] = []
+        try:
+            for path, ident in zip(key.plan.paths, key.ids, strict=True):
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                pins.append(fd)
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != ident:
+                    raise FileNotFoundError(path)
+        except OSError:
+            for fd in pins:
+                os.close(fd)
+            return None
+        return pins
+
+    def put(self, key: NsKey | None, fd: int, pins: list[int] | None) -> None:
+        """Keep namespace ``fd`` made to ``key`` with ``pins`` (`pin`); all three are now
+        the cache's, and closed at once if the namespace cannot be kept."""
+        if self._watch.changed():  # it may be a copy of the table before the change
+            self.clear()
+            key = None
+        if key is None or pins is None or key in self._kept:
+            os.close(fd)
+            for pin in pins or ():
+                os.close(pin)
+            return
+        self._kept[key] = _Kept(key, fd, pins)
+        while len(self._kept) > self.size:
+            _key, old = self._kept.popitem(last=False)
+            _close(old)
+
+    def clear(self) -> None:
+        while self._kept:
+            _key, kept = self._kept.popitem()
+            _close(kept)
+
+    def close(self) -> None:
+        self.clear()
+        self._watch.close()
+
+
+def _close(kept: _Kept) -> None:
+    os.close(kept.fd)
+    for pin in kept.pins:
+        os.close(pin)
 
 
 class MountWatch:

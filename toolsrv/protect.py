@@ -158,6 +158,24 @@ class ProtectedScan:
                     found.append(target)
         return found
 
+    def quick(self, roots: Sequence[str]) -> list[str] | None:
+        """`find`'s answer when it takes no filesystem work: every root scanned before and
+        watched by inotify, and nothing changed since (one non-blocking read of the event
+        queue says so). None otherwise: then `find` must run, in a worker thread.
+
+        A call's scan is nearly always this case, and answering it on the server's own
+        thread saves the hop to a worker and back (a few hundred µs on a busy VM).
+        """
+        if self._inotify is None:
+            return None
+        trees = [self._trees.get(root) for root in roots]
+        if any(tree is None or not tree.watched for tree in trees):
+            return None
+        self._drain()
+        if any(tree is None or tree.dirty or not tree.watched for tree in trees):
+            return None
+        return self.find(roots)
+
     def _refresh(self, root: str) -> list[str]:
         self._drain()
         tree = self._trees.get(root)

@@ -275,32 +275,51 @@ class Prepared:
     netns_fd: int | None = None
     seccomp: seccomp.Loaded | None = None
     network: bool = False
+    mount_ns_fd: int | None = None  # a kept namespace made to ``mounts`` (not owned)
+    keep_ns: bool = False  # `enter` keeps the namespace it makes, in ``built_ns_fd``
+    built_ns_fd: int | None = None  # owned until taken (see `take_built_ns`)
+    owns_ruleset: bool = True  # False: the fd belongs to a `RulesetCache`
 
     @property
     def protect(self) -> tuple[str, ...]:
         """The entries made read-only by a bind mount."""
         return self.mounts.protect if self.mounts is not None else ()
 
+    def take_built_ns(self) -> int | None:
+        """The namespace `enter` made (``keep_ns``), now the caller's to keep or close."""
+        fd, self.built_ns_fd = self.built_ns_fd, None
+        return fd
+
     def close(self) -> None:
         """Release the ruleset fd (the restricted processes keep their domain)."""
         if self.ruleset_fd is not None:
-            os.close(self.ruleset_fd)
+            if self.owns_ruleset:
+                os.close(self.ruleset_fd)
             self.ruleset_fd = None
+        if self.built_ns_fd is not None:
+            os.close(self.built_ns_fd)
+            self.built_ns_fd = None
 
-    def enter(self, *, bounding_dropped: bool = False, own_mount_ns: bool = False) -> None:
+    def enter(self, *, bounding_dropped: bool = False) -> None:
         """Restrict the calling thread for good: mounts, network, capabilities, NNP,
         Landlock, seccomp, in that order (each step needs the privileges the next drops).
 
         Only for a thread created to spawn the tool and ending right after: credentials,
         capabilities, no_new_privs, the Landlock domain, the seccomp filter and the
         namespaces are all per-thread on Linux, and a child inherits them from the thread
-        that forks it. The server's other threads are untouched. ``bounding_dropped``,
-        ``own_mount_ns``: the thread already emptied its bounding set, made its private
-        mount namespace (spare threads do both ahead). Raises OSError when a step fails;
-        nothing may be spawned from the thread then.
+        that forks it. The server's other threads are untouched. ``bounding_dropped``: the
+        thread already emptied its bounding set (spare threads do it ahead). The mount
+        namespace is ``mount_ns_fd`` when the server kept one made to the same plan, else
+        made here (and handed back in ``built_ns_fd`` with ``keep_ns``). Raises OSError
+        when a step fails; nothing may be spawned from the thread then.
         """
         if self.mounts is not None:
-            self.mounts.apply(own_ns=own_mount_ns)
+            if self.mount_ns_fd is not None:
+                namespaces.join_mount_ns(self.mount_ns_fd)
+            else:
+                self.mounts.apply()
+                if self.keep_ns:
+                    self.built_ns_fd = namespaces.this_mount_ns()
         if self.netns_fd is not None:
             namespaces.setns(self.netns_fd, namespaces.CLONE_NEWNET)
         if not bounding_dropped:
@@ -312,6 +331,48 @@ class Prepared:
         namespaces.drop_all_caps()
         if self.seccomp is not None:
             self.seccomp.load()
+
+
+class RulesetCache:
+    """Landlock rulesets already built, for calls with the same roots (one per session).
+
+    A ruleset can restrict any number of threads, and building one costs a syscall per rule
+    plus an open and a stat per path. Its rules hold the inodes they were made from, so the
+    key has the identity (st_dev, st_ino) of each root besides its path: a root replaced on
+    disk gets a new ruleset. At most ``size`` are kept (least recently used go first).
+    """
+
+    def __init__(self, size: int = 32) -> None:
+        self.size = size
+        self._kept: dict[tuple[object, ...], int] = {}
+
+    def get(self, key: tuple[object, ...]) -> int | None:
+        fd = self._kept.pop(key, None)
+        if fd is not None:
+            self._kept[key] = fd  # most recently used last
+        return fd
+
+    def put(self, key: tuple[object, ...], fd: int) -> None:
+        self._kept[key] = fd
+        while len(self._kept) > self.size:
+            old = next(iter(self._kept))
+            os.close(self._kept.pop(old))
+
+    def close(self) -> None:
+        for fd in self._kept.values():
+            os.close(fd)
+        self._kept.clear()
+
+
+def _ruleset_key(abi: int, network: bool, roots: Sequence[str]) -> tuple[object, ...] | None:
+    ids: list[tuple[int, int]] = []
+    for root in roots:
+        try:
+            st = os.stat(root)
+        except OSError:
+            return None
+        ids.append((st.st_dev, st.st_ino))
+    return (abi, network, tuple(roots), tuple(ids))
 
 
 def _refusal(name: str) -> str:
@@ -368,6 +429,7 @@ def prepare(
     hide: Sequence[str] = (),
     netns_fd: int | None = None,
     use_seccomp: bool = True,
+    rulesets: RulesetCache | None = None,
 ) -> Prepared:
     """Build the sandbox of one call in the server (the expensive half).
 
@@ -384,6 +446,9 @@ def prepare(
     at the top of a root are kept, by Landlock rules per top-level entry: new top-level
     files or directories cannot then be created (or top-level entries removed or renamed)
     in such a root, and symlinked top-level entries are not writable through.
+
+    ``rulesets``: where Landlock rulesets made for the same roots are kept (with mount
+    namespaces only: without them the rules depend on a root's entries, listed per call).
 
     ``netns_fd``: the empty network namespace a call without network joins (None: none is
     available; the TCP rules and the seccomp filter still hold). An ``unsandboxed`` profile
@@ -424,6 +489,11 @@ def prepare(
         tops = {
             r for r in roots if any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES)
         }
+    key = _ruleset_key(abi, profile.network, roots) if rulesets is not None and not tops else None
+    if key is not None and rulesets is not None:
+        kept = rulesets.get(key)
+        if kept is not None:
+            return Prepared(kept, mounts, netns, filt, profile.network, owns_ruleset=False)
     handled_fs = fs_rights(abi)
     attr = _RulesetAttr(handled_fs, 0, 0)
     size = 8
@@ -449,6 +519,9 @@ def prepare(
     except BaseException:
         prepared.close()
         raise
+    if key is not None and rulesets is not None:
+        rulesets.put(key, fd)
+        prepared.owns_ruleset = False
     return prepared
 
 

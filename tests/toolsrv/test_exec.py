@@ -753,3 +753,83 @@ def test_landlock_package_survives_a_stale_errno(exec_box: Box) -> None:
     prepared = sandbox.prepare(DEFAULT, [str(exec_box.cwd)])
     assert prepared.ruleset_fd is not None
     prepared.close()
+
+
+# ---- kept mount namespaces and rulesets (calls of one session reuse them) ----------------
+
+
+needs_mount_ns = pytest.mark.skipif(
+    not sandbox.mount_namespaces(), reason="no private mount namespaces on this kernel"
+)
+
+
+@needs_mount_ns
+async def test_calls_alike_join_one_kept_namespace(exec_box: Box) -> None:
+    """The second call with the same roots joins the namespace the first one made, and is
+    confined exactly as the first (the kept namespace is no weaker than a fresh one)."""
+    b = exec_box
+    targets = [b.cwd / ".git" / "hooks" / "x", b.cwd / "src" / "x", b.outside / "etc" / "x"]
+    cache = b.executor.spawner.mount_ns
+    assert cache is not None
+    for _ in range(3):
+        got = outcomes(await b.run(py(WRITER, *map(str, targets))))
+        assert got[str(targets[0])] in ("EROFS", "EACCES")
+        assert got[str(targets[1])] == "ok"
+        assert got[str(targets[2])] in ("EROFS", "EACCES")
+    assert cache.hits >= 2
+
+
+@needs_mount_ns
+async def test_a_git_replaced_on_the_host_is_protected_in_the_next_call(exec_box: Box) -> None:
+    """The host (the user, git itself) replaces .git between two calls: the kept namespace's
+    read-only bind was on the old directory (the kernel detaches it), so the next call
+    must not join it: the key holds each protected path's identity."""
+    b = exec_box
+    hook = b.cwd / ".git" / "hooks" / "x"
+    assert outcomes(await b.run(py(WRITER, str(hook))))[str(hook)] in ("EROFS", "EACCES")
+    shutil.rmtree(b.cwd / ".git")
+    (b.cwd / ".git" / "hooks").mkdir(parents=True)
+    assert outcomes(await b.run(py(WRITER, str(hook))))[str(hook)] in ("EROFS", "EACCES")
+    assert not hook.exists()
+    # And a repository that appears deeper down between two calls is protected too.
+    sub = b.cwd / "src" / "vendored" / ".git"
+    (sub / "hooks").mkdir(parents=True)
+    subhook = sub / "hooks" / "x"
+    assert outcomes(await b.run(py(WRITER, str(subhook))))[str(subhook)] in ("EROFS", "EACCES")
+    assert not subhook.exists()
+
+
+@needs_mount_ns
+async def test_a_root_replaced_on_the_host_gets_a_fresh_sandbox(exec_box: Box) -> None:
+    """A write root removed and made again between calls: the kept namespace and ruleset
+    hold the old directory, and a call joining them could not write the new one."""
+    b = exec_box
+    first = b.cwd / "src" / "a"
+    assert outcomes(await b.run(py(WRITER, str(first))))[str(first)] == "ok"
+    shutil.rmtree(b.cwd)
+    (b.cwd / "src").mkdir(parents=True)
+    (b.cwd / ".git").mkdir()
+    again = b.cwd / "src" / "b"
+    assert outcomes(await b.run(py(WRITER, str(again))))[str(again)] == "ok"
+    assert again.read_text() == "x"
+
+
+@needs_mount_ns
+async def test_a_host_mount_change_drops_the_kept_namespaces(exec_box: Box) -> None:
+    """A mount made on the host after a namespace was kept is seen by the next call (a kept
+    copy of the old mount table would not show it)."""
+    b = exec_box
+    cache = b.executor.spawner.mount_ns
+    assert cache is not None
+    await b.run(["true"])
+    await b.run(["true"])
+    assert cache.hits >= 1
+    mnt = b.outside / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "none", str(mnt)], check=True)
+    try:
+        (mnt / "seen").write_text("yes")
+        res = await b.run(["cat", str(mnt / "seen")])
+        assert res.stdout == b"yes"
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -71,6 +71,7 @@ class Executor:
         self._want_cgroups = cgroups
         self.hide = tuple(hide)
         self.scan = ProtectedScan()
+        self.rulesets = sandbox.RulesetCache()
         self._scan_lock = trio.Lock()  # one scan at a time (ProtectedScan is not thread-safe)
         self._netns: int | None = None
         self._netns_known = False
@@ -90,6 +91,7 @@ class Executor:
         if self._cgroups is not None:
             self._cgroups.close()
         self.scan.close()
+        self.rulesets.close()
         if self._netns is not None:
             os.close(self._netns)
             self._netns, self._netns_known = None, False
@@ -161,7 +163,10 @@ class Executor:
         if not profile.unsandboxed and namespaces.mount_namespaces():
             # In a worker thread: a root on a slow filesystem must not stall the server.
             async with self._scan_lock:
-                protect = await trio.to_thread.run_sync(self.scan.find, sandbox.clean_roots(roots))
+                clean = sandbox.clean_roots(roots)
+                protect = self.scan.quick(clean)
+                if protect is None:
+                    protect = await trio.to_thread.run_sync(self.scan.find, clean)
         try:
             prepared = sandbox.prepare(
                 profile,
@@ -169,6 +174,7 @@ class Executor:
                 protect=protect,
                 hide=self.hide,
                 netns_fd=None if profile.network else self.netns,
+                rulesets=self.rulesets,
             )
         except (OSError, ValueError) as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
@@ -212,6 +218,14 @@ class Executor:
                         cg = backend.acquire(profile.max_procs)
                 except OSError as err:
                     log.warning("cgroup for the call unavailable: %s", err.strerror)
+            ns_cache = spawner.mount_ns
+            ns_key = pins = None
+            if ns_cache is not None and prepared.mounts is not None:
+                ns_key = ns_cache.key(prepared.mounts)
+                prepared.mount_ns_fd = ns_cache.get(ns_key)
+                if prepared.mount_ns_fd is None:
+                    pins = ns_cache.pin(ns_key)  # before the namespace is made
+                    prepared.keep_ns = pins is not None
             self.reaper.calls.add(call)
             thread, spare = spare, None
             capped = cg is not None and backend is not None and backend.limits
@@ -241,6 +255,12 @@ class Executor:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)
                     fds.remove(fd)
+                built = prepared.take_built_ns()
+                if built is not None and ns_cache is not None:
+                    ns_cache.put(ns_key, built, pins)
+                    pins = None
+                for pin in pins or ():
+                    os.close(pin)
             call.pid = proc.pid
             run = _Run(self.reaper, proc, exit_fd(proc.pid), cg, backend)
             assert run.exit_fd is not None

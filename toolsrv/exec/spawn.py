@@ -53,10 +53,8 @@ class Spare:
     which was measured at 15-20 ms on an idle VM. Done ahead, nobody waits for it.
     """
 
-    def __init__(self, cg: Cgroup | None = None, *, mount_ns: bool = False) -> None:
+    def __init__(self, cg: Cgroup | None = None) -> None:
         self.cg = cg
-        self.mount_ns = mount_ns  # to make its private mount namespace ahead
-        self.own_mount_ns = False  # set by the thread once it has one
         self.joined: Cgroup | None = None  # set by the thread once it joined ``cg``
         self.bounding_dropped = False  # set by the thread once its bounding set is empty
         self._go = _thread.allocate_lock()
@@ -72,12 +70,6 @@ class Spare:
             self.bounding_dropped = namespaces.drop_bounding_set()
         except OSError as err:  # the job tries again, and fails the call if it must
             log.debug("spare thread kept its bounding set: %s", err.strerror)
-        if self.mount_ns:
-            try:
-                namespaces.private_mount_ns()
-                self.own_mount_ns = True
-            except OSError as err:  # the job makes it (or fails the call) the usual way
-                log.debug("spare thread has no mount namespace: %s", err.strerror)
         if self.cg is not None:
             try:
                 os.write(self.cg.join_fd, str(threading.get_native_id()).encode())
@@ -106,8 +98,7 @@ class Spawner:
 
     def __init__(self, cgroups: CgroupBackend | None, *, mount_ns: bool = False) -> None:
         self.cgroups = cgroups
-        self.mount_ns = mount_ns
-        self._mounts = namespaces.MountWatch() if mount_ns else None
+        self.mount_ns = namespaces.MountNsCache() if mount_ns else None
         self._spare: Spare | None = None
         self._spawning = 0
         self._was_dumpable: bool | None = None
@@ -121,16 +112,10 @@ class Spawner:
                     cg = self.cgroups.acquire(max_procs)
                 except OSError as err:
                     log.debug("no cgroup for the spare thread: %s", err.strerror)
-            if self._mounts is not None:
-                self._mounts.changed()  # from here on, a change makes the spare stale
-            self._spare = Spare(cg, mount_ns=self.mount_ns)
+            self._spare = Spare(cg)
 
     def take_spare(self) -> Spare | None:
         spare, self._spare = self._spare, None
-        if spare is not None and self._mounts is not None and self._mounts.changed():
-            log.debug("mount table changed: the spare thread's copy is stale")
-            self._end(spare)
-            spare = None
         return spare
 
     def return_spare(self, spare: Spare) -> None:
@@ -150,8 +135,8 @@ class Spawner:
         spare, self._spare = self._spare, None
         if spare is not None:
             self._end(spare)
-        if self._mounts is not None:
-            self._mounts.close()
+        if self.mount_ns is not None:
+            self.mount_ns.close()
 
     def _guard(self, start: bool) -> None:
         """Keep the server non-dumpable while a spawning thread lives.
@@ -228,7 +213,7 @@ def spawn_in_thread(
     try:
         if cg is not None and version == 1 and thread.joined is not cg:
             os.write(cg.join_fd, str(threading.get_native_id()).encode())
-        prepared.enter(bounding_dropped=thread.bounding_dropped, own_mount_ns=thread.own_mount_ns)
+        prepared.enter(bounding_dropped=thread.bounding_dropped)
     except OSError as err:
         raise SetupError(str(err)) from err
     proc = subprocess.Popen(
