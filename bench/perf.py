@@ -179,10 +179,9 @@ def blocked_readers(d: Daemon, sids: list[str], n: int) -> Iterator[None]:
         t.start()
     # Wait until the daemon holds them all: the kernel shows each thread asleep in FUSE.
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        parked = sum(_fuse_wait(t.native_id) for t in threads)
-        if parked == n:
-            break
+    while sum(_fuse_wait(t.native_id) for t in threads) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the readers did not all block in the daemon")
         time.sleep(0.05)
     try:
         yield
@@ -195,7 +194,8 @@ def blocked_readers(d: Daemon, sids: list[str], n: int) -> Iterator[None]:
 def _fuse_wait(tid: int | None) -> bool:
     try:
         with open(f"/proc/self/task/{tid}/wchan") as f:
-            return "fuse" in f.read()
+            wchan = f.read()
+        return "request_wait_answer" in wchan or "fuse" in wchan
     except OSError:
         return False
 
