@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +191,31 @@ def sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_branch(root: Path, k: int, messages: Sequence[Message], chat: bytes) -> None:
+    """``root/<k>/{context,chat}``: the history and chat a rewind took away, durably.
+
+    Written in ``.<k>.tmp`` and renamed: a crash in here leaves ``<k>`` whole or absent,
+    never a context cut half-way (the tree hides the temp dir, and the next write of this
+    number clears it). ``<k>`` exists already only if a machine crash lost the Rewind
+    record that named it after the branch was synced; it is replaced, as it always was.
+    Blocking: run it in a worker thread from trio.
+    """
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    final, tmp = root / str(k), root / f".{k}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    ctx = b"".join(_encoder.encode(m) + b"\n" for m in messages)
+    for name, data in (("context", ctx), ("chat", chat)):
+        with open(tmp / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    sync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    sync_dir(root)
 
 
 def repair(path: Path) -> None:

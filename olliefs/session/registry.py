@@ -8,7 +8,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -344,9 +344,8 @@ class Registry:
         """Create a session from an ``s/new`` write; durable before it returns."""
         v = self.parse_new(text)
         cfg = Cfg(backend=v["backend"], model=v["model"], agent=v["agent"], cwd=v["cwd"])
-        s = await self._make(v.get("name"), cfg, [])
-        s.emit("info", f"session {s.id} created (cwd {s.cwd}, {cfg.backend}/{cfg.model})")
-        return s
+        created = f"created (cwd {cfg.cwd}, {cfg.backend}/{cfg.model})"
+        return await self._make(v.get("name"), cfg, [], lambda sid: f"session {sid} {created}")
 
     async def fork(self, src: Session, name: str, n: int) -> None:
         """``ctl fork``: a new session with ``src``'s configuration, tools and first ``n``
@@ -358,16 +357,24 @@ class Registry:
             persist.MaxSteps(src.agent.max_steps),
             *(persist.Msg(m) for m in src.agent.history.messages[:n]),
         ]
-        s = await self._make(name, src.cfg, extra)
-        s.emit("info", f"forked from {src.id} with its first {n} messages")
+        s = await self._make(
+            name, src.cfg, extra, lambda _: f"forked from {src.id} with its first {n} messages"
+        )
         src.emit("info", f"forked into {s.id} with the first {n} messages")
 
-    async def _make(self, name: str | None, cfg: Cfg, extra: list[persist.Record]) -> Session:
+    async def _make(
+        self, name: str | None, cfg: Cfg, extra: list[persist.Record], info: Callable[[str], str]
+    ) -> Session:
         """A new session from a create record plus ``extra`` records, made durable (in a
         worker thread) before it appears; its name is reserved meanwhile, so a second
-        request for the same name fails with EEXIST instead of racing this one."""
+        request for the same name fails with EEXIST instead of racing this one.
+
+        ``info(sid)`` is the session's first chat line (``:: session <id> created ...``),
+        journaled with the rest before the sync: a crash right after the session became
+        durable brings it back with that line, not as a session without a beginning."""
         uid = new_uid()
         sid = name or uid
+        extra = [*extra, persist.Ev(Event(time.time(), sid, uid, "info", "", info(sid)))]
         self._reserved.add(sid)
         path = journal_path(self.paths.sessions, uid)
         try:
@@ -422,8 +429,10 @@ class Registry:
     async def rewind(self, s: Session, n: int) -> None:
         """``ctl rewind``: the last ``n`` turns leave the history at once; what the
         history and chat were before is written to ``branches/<k>/`` before the write
-        returns (the journal holds every message too, so a crash in between loses
-        nothing)."""
+        returns. The Rewind record comes first (so no record of a turn can slip in
+        between the cut and its record); a crash before the branch is on disk leaves the
+        record without its branch, and the restore rebuilds the branch from the journal
+        (``Session.replay``)."""
         before = list(s.agent.history.messages)
         chat_size = len(s.chat)
         root = self.branches_dir(s)
@@ -432,15 +441,7 @@ class Registry:
         s.rewind_to(n, k)
 
         def write() -> None:
-            d = root / str(k)
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
-            ctx = b"".join(msgspec.json.encode(m) + b"\n" for m in before)
-            for name, data in (("context", ctx), ("chat", s.chat.read(0, chat_size))):
-                with open(d / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            persist.sync_dir(d)
+            persist.write_branch(root, k, before, s.chat.read(0, chat_size))
 
         await trio.to_thread.run_sync(write)
 
@@ -512,6 +513,13 @@ class Registry:
             try:
                 persist.repair(path)
                 records = persist.read_journal(path)
+                if not records and path.stat().st_size == 0:
+                    # s/new (or a fork) killed before its create record was whole: the
+                    # create never returned, since it returns only once the record is
+                    # durable. Nothing of it was acknowledged, so nothing is kept.
+                    log.warning("%s: create cut by a crash; removed", path)
+                    path.unlink()
+                    continue
                 if not records or not isinstance(records[0], persist.Create):
                     log.warning("%s: no create record; left alone", path)
                     continue

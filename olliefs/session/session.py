@@ -83,6 +83,8 @@ class SessionHost(Protocol):
 
     def compactions_root(self) -> Path: ...
 
+    def branches_dir(self, s: Session) -> Path: ...
+
     async def models_command(self, s: Session) -> None: ...
 
     async def build_runtime(self, name: str, cwd: str, env: Mapping[str, str]) -> Runtime: ...
@@ -590,6 +592,7 @@ class Session:
         ended: set[int] = set()
         dropped: set[int] = set()
         history = self.agent.history
+        lost: list[tuple[int, list[Message], int]] = []
         try:
             for rec in records:
                 if isinstance(rec, persist.Prompt):
@@ -635,6 +638,10 @@ class Session:
                     self.agent.max_steps = rec.n
                 elif isinstance(rec, persist.Rewind):
                     self.branches = max(self.branches, rec.branch)
+                    if not (self.host.branches_dir(self) / str(rec.branch)).exists():
+                        # A crash between the record and its branch on disk: the branch
+                        # is rebuilt from what the journal says it was.
+                        lost.append((rec.branch, list(history.messages), len(self.chat)))
                     cut = self.turn_starts[len(self.turn_starts) - rec.n]
                     del history.messages[cut:]
                     del self.turn_starts[len(self.turn_starts) - rec.n :]
@@ -642,12 +649,20 @@ class Session:
                     self.agent.link.set_wanted(rec.names)
         finally:
             self._replaying = False
-        for seq in sorted(started - ended):
+        for k, messages, size in lost:
+            log.warning("session %s: branches/%d rebuilt from the journal", self.id, k)
+            persist.write_branch(self.host.branches_dir(self), k, messages, self.chat.read(0, size))
+        cut_turns = sorted(started - ended)
+        for seq in cut_turns:
             # A turn cut by a crash: closed, never re-run (SPEC 3.7).
             self.agent.answer_open_calls("interrupted by restart before the tool ended")
             self.emit("info", "interrupted by restart")
             self.renderer.end_turn()
             self.record(persist.End(seq))
+        if not cut_turns and self.state.value == "compacting":
+            # A ``ctl compact`` cut by a crash (outside a turn, so no turn mark says it):
+            # its Replaced record was never written, so the history is the old one.
+            self.emit("info", "compaction interrupted by restart; history kept")
         self.queue.extend(
             (seq, prompts[seq])
             for seq in sorted(prompts)

@@ -227,8 +227,15 @@ class ToolsrvConn:
         for the next tool it is ready (made while the model was thinking)."""
         if self._nursery is None or self._filling is not None or self._slots:
             return
-        self._filling = trio.Event()
-        self._nursery.start_soon(self._fill, self._filling)
+        filling = trio.Event()
+        try:
+            self._nursery.start_soon(self._fill, filling)
+        except RuntimeError:
+            # The connection's nursery is closed: the daemon is shutting down (or the
+            # link went away) while this call ran, and no next call will want a slot.
+            # Raised from the call's ``finally``, it would hide the call's own outcome.
+            return
+        self._filling = filling
 
     async def _fill(self, done: trio.Event) -> None:
         try:
