@@ -33,21 +33,20 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
+from perf_common import Row, p50, p99, table
 
 from olliefs.replay import ReplayServer, parse_script
 from olliefs.replay.script import Entry
@@ -60,34 +59,6 @@ PARTS = os.environ.get("STREAM_PARTS", "1234")  # which of the sections below to
 TOKENS = 200
 GAP = 0.01
 BIG = 10 * 1000 * 1000
-
-
-# The same Row as bench/perf_common.py (helper "perffs"; ``perf.py`` prints these rows with
-# its ``table``), defined here too so this script runs on a tree without that module.
-@dataclass
-class Row:
-    name: str
-    ours: float
-    ref: float | None
-    unit: str
-    target: str
-    ok: bool | None
-    note: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        if self.ref is None or self.ref == 0:
-            return None
-        return self.ours / self.ref
-
-
-def p50(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
-
-
-def p99(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(len(s) * 0.99))]
 
 
 # ---- (1) token latency ---------------------------------------------------------------------
@@ -666,37 +637,6 @@ def overhead(base: Path, srv: ReplayServer) -> list[Row]:
             "keep-alive (model list included)",
         ),
     ]
-
-
-def table(rs: Sequence[Row]) -> str:
-    head = ("figure", "ours", "ref", "ratio", "unit", "target", "", "note")
-    lines = [head]
-    for r in rs:
-        ratio = "-" if not r.ref else f"{r.ours / r.ref:.2f}x"
-        verdict = "" if r.ok is None else ("OK" if r.ok else "MISS")
-        lines.append(
-            (
-                r.name,
-                _num(r.ours),
-                "-" if r.ref is None else _num(r.ref),
-                ratio,
-                r.unit,
-                r.target,
-                verdict,
-                r.note,
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    return "\n".join(
-        (
-            "  ".join(c.ljust(w) for c, w in zip(line[:-1], widths, strict=True)) + "  " + line[-1]
-        ).rstrip()
-        for line in lines
-    )
-
-
-def _num(x: float) -> str:
-    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.3f}"
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -51,6 +52,9 @@ class GrowingLog:
         self.closed = False
         self._discarded = False
         self.mtime = time.time()
+        # Called once each at the next change of size or state, then dropped: the FUSE
+        # frontend's cue to invalidate what the kernel caches of this log.
+        self.observers: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
         return self._size
@@ -77,6 +81,8 @@ class GrowingLog:
         self._size += len(data)
         self._last = data[-1]
         self.mtime = time.time()
+        if self.observers:
+            _notify(self)
         self._lot.unpark_all()
 
     def read(self, off: int, size: int) -> bytes:
@@ -93,6 +99,8 @@ class GrowingLog:
     def close(self) -> None:
         """Readers at the end get EOF from now on (the session is gone)."""
         self.closed = True
+        if self.observers:
+            _notify(self)
         self._lot.unpark_all()
 
     def discard(self) -> None:
@@ -144,6 +152,7 @@ class StateCell:
         self.version = 0
         self.mtime = time.time()
         self._lot = trio.lowlevel.ParkingLot()
+        self.observers: list[Callable[[], None]] = []  # as GrowingLog.observers
 
     @property
     def waiting(self) -> int:
@@ -155,12 +164,23 @@ class StateCell:
         self.value = value
         self.version += 1
         self.mtime = time.time()
+        if self.observers:
+            _notify(self)
         self._lot.unpark_all()
         return True
 
     def wake(self) -> None:
         """Wake waiters without a change (used when the session goes away)."""
+        if self.observers:
+            _notify(self)
         self._lot.unpark_all()
 
     async def wait(self) -> None:
         await self._lot.park()
+
+
+def _notify(source: GrowingLog | StateCell) -> None:
+    # Emptied first: an observer may register again for the change after this one.
+    observers, source.observers = source.observers, []
+    for observer in observers:
+        observer()

@@ -10,6 +10,7 @@ environment overrides them. Keys, tokens and URLs live only here, never in the t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -129,8 +130,14 @@ def load_settings(p: Paths, environ: Mapping[str, str] | None = None) -> dict[st
     return settings
 
 
+@functools.cache
 def shipped_dir() -> Path:
-    """The project's ``agents/`` folder, installed as package data ``olliefs._agents``."""
+    """The project's ``agents/`` folder, installed as package data ``olliefs._agents``.
+
+    Found once: the installed package does not move while the daemon runs, and the
+    search (an importlib lookup) cost a restore three per session and a render of
+    ``systemprompt`` one per stat.
+    """
     spec = importlib.util.find_spec("olliefs._agents")
     if spec is None or spec.origin is None:
         raise RuntimeError("olliefs is not installed properly: olliefs._agents is missing")

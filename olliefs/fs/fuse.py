@@ -1,10 +1,37 @@
 """The FUSE frontend: pyfuse3 ``Operations`` that only translate to the tree of ``spec.py``.
 
 Inode numbers are handed out per node key and never reused while the daemon runs, so a
-handle on ``s/a/chat`` keeps working after ``mv s/a s/b``. Attribute and entry caching are
-off: synthetic files change size all the time and ``tail -f`` must see the real
-``st_size``. Every expected failure is a typed ``OllieError`` mapped to an errno here; any
-other exception is logged and answered with EIO, so no client request can end the daemon.
+handle on ``s/a/chat`` keeps working after ``mv s/a s/b``. Every expected failure is a
+typed ``OllieError`` mapped to an errno here; any other exception is logged and answered
+with EIO, so no client request can end the daemon.
+
+Kernel caching. A stat answered from the kernel's cache costs a few microseconds; one that
+comes here costs a round trip through Python. So the kernel may cache (for
+``nodes.CACHED_TTL``) what is announced when it changes, and only that:
+
+* attributes of nodes with a ``watch()`` source (``chat``, ``stream``, ``events``,
+  ``state``) and of nodes that never change: each time attributes are handed out, a
+  one-shot observer is put on the source, and the source's next change calls it, which
+  invalidates the attributes at once, in the same call (``invalidate_inode`` with
+  ``attr_only``: the kernel takes no lock a request holds for that, so it cannot
+  deadlock, and it bumps the inode's attribute version, so a getattr answer already on
+  its way is not cached either). The next stat after an append sees the new size:
+  ``tail -f`` and size-polling clients (Emacs's ellie) see every byte at once. At most one
+  invalidation per change that someone could have cached: appends nobody stat'ed cost
+  nothing.
+* entries of session directories (``s/<id>``), whose names change behind the kernel's
+  back (``ctl rn``, ``ctl kill``, a session ending): their ``entry_watch()`` source (the
+  session's events) announces it, and the name is checked and, if it no longer leads to
+  the same node, invalidated. ``invalidate_entry`` takes the parent directory's lock,
+  which a request in flight there (a lookup, an rmdir) holds while waiting for this very
+  process: it runs in a worker thread, drained by a system task, and a ``write`` (the
+  ``ctl`` that renamed or killed) waits for the drain before it returns, so the old name
+  is gone when ``echo kill > ctl`` returns.
+* everything else (synthetic text rendered from the runtime's state, files on disk) is
+  not cached: each stat comes here.
+
+xattr operations answer ENOSYS, which the kernel remembers for the mount: ``ls -l`` asks
+for two attributes per entry, and would otherwise pay two round trips for each.
 """
 
 from __future__ import annotations
@@ -18,10 +45,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
+import trio
 
 from olliefs import errors
 from olliefs.fs import interrupt
-from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
+from olliefs.fs.nodes import CACHED_TTL, Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +91,18 @@ class Operations(pyfuse3.Operations):
         self._parent: dict[int, int] = {}  # inode -> the directory it was found in
         self._next_fh = 1
         self.uid, self.gid = os.getuid(), os.getgid()
+        # Inodes whose attributes, and (parent, name) entries, the kernel may hold in
+        # cache with an observer waiting on their source for the next change.
+        self._attr_watched: set[int] = set()
+        self._fixed: dict[int, pyfuse3.EntryAttributes] = {}  # of nodes with fixed_attrs
+        self._entry_watched: set[tuple[int, str]] = set()
+        # Entries to invalidate, by a worker thread (see the module's docstring).
+        self._stale_entries: list[tuple[int, str]] = []
+        self._draining = False
+        self._drained = trio.Event()
+        # Counts for tests and the bench: invalidations sent to the kernel.
+        self.invalidated_attrs = 0
+        self.invalidated_entries = 0
 
     # ---- inode table ----------------------------------------------------------------
 
@@ -88,8 +128,17 @@ class Operations(pyfuse3.Operations):
         return node
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        if node.fixed_attrs:
+            ino = self._inode(node)
+            a = self._fixed.get(ino)
+            if a is None:
+                a = self._fixed[ino] = self._make_attrs(node, ino)
+            return a
+        return self._make_attrs(node, self._inode(node))
+
+    def _make_attrs(self, node: Node, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
-        a.st_ino = self._inode(node)
+        a.st_ino = ino
         a.st_mode = node.mode
         a.st_nlink = node.nlink() if isinstance(node, Dir) else 1
         a.st_size, ns = node.stat()
@@ -98,8 +147,63 @@ class Operations(pyfuse3.Operations):
         a.st_blksize = 4096
         a.st_blocks = (a.st_size + 511) // 512
         a.entry_timeout = node.entry_ttl
-        a.attr_timeout = node.attr_ttl
+        source = node.watch()
+        if source is None:
+            a.attr_timeout = node.attr_ttl
+        else:
+            a.attr_timeout = CACHED_TTL
+            if ino not in self._attr_watched:
+                self._attr_watched.add(ino)
+                source.observers.append(functools.partial(self._attr_changed, ino))
         return a
+
+    def _attr_changed(self, ino: int) -> None:
+        """A watched source changed: the kernel's copy of ``ino``'s attributes goes now."""
+        self._attr_watched.discard(ino)
+        self.invalidated_attrs += 1
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError:
+            pass  # the kernel forgot the inode already (ENOENT), or the mount is going
+
+    def _watch_entry(self, parent_ino: int, name: str, node: Node) -> None:
+        """``name`` in ``parent_ino`` leads to ``node`` and the kernel may cache that."""
+        source = node.entry_watch()
+        if source is None or (parent_ino, name) in self._entry_watched:
+            return
+        self._entry_watched.add((parent_ino, name))
+
+        def changed() -> None:
+            parent = self._nodes.get(parent_ino)
+            now = parent.lookup(name) if isinstance(parent, Dir) else None
+            if now is not None and now.key == node.key and now.valid():
+                source.observers.append(changed)  # still there: watch on
+                return
+            self._entry_watched.discard((parent_ino, name))
+            self._stale_entries.append((parent_ino, name))
+            if not self._draining:
+                self._draining = True
+                trio.lowlevel.spawn_system_task(self._drain_entries)
+
+        source.observers.append(changed)
+
+    async def _drain_entries(self) -> None:
+        try:
+            while self._stale_entries:
+                batch, self._stale_entries = self._stale_entries, []
+                await trio.to_thread.run_sync(_invalidate_entries, batch)
+                self.invalidated_entries += len(batch)
+        except Exception:  # a system task must not raise: it would end the daemon
+            log.exception("invalidating cached names failed")
+        finally:
+            self._draining = False
+            done, self._drained = self._drained, trio.Event()
+            done.set()
+
+    async def _entries_settled(self) -> None:
+        """Wait until every name found stale so far is gone from the kernel's cache."""
+        while self._draining:
+            await self._drained.wait()
 
     def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
         """Attributes for a reply the kernel counts as a lookup (lookup, readdirplus)."""
@@ -117,6 +221,7 @@ class Operations(pyfuse3.Operations):
             if ino == pyfuse3.ROOT_INODE:
                 continue
             self._parent.pop(ino, None)
+            self._fixed.pop(ino, None)
             node = self._nodes.pop(ino, None)
             if node is not None and self._ino.get(node.key) == ino:
                 del self._ino[node.key]
@@ -159,6 +264,8 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         a = self._entry(node)
         self._parent[a.st_ino] = parent_inode
+        if a.entry_timeout > 0:
+            self._watch_entry(parent_inode, self._name(name), node)
         return a
 
     @translated
@@ -198,6 +305,22 @@ class Operations(pyfuse3.Operations):
             )
         return self._attrs(node)
 
+    # ---- extended attributes: none (ENOSYS: the kernel stops asking) ------------------
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
     @translated
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
@@ -235,8 +358,11 @@ class Operations(pyfuse3.Operations):
                 if attrs.st_ino not in self._lookups:  # not sent: the kernel never knew it
                     self._nodes.pop(attrs.st_ino, None)
                     self._ino.pop(node.key, None)
+                    self._fixed.pop(attrs.st_ino, None)
                 break
             self._lookups[attrs.st_ino] = self._lookups.get(attrs.st_ino, 0) + 1
+            if attrs.entry_timeout > 0:
+                self._watch_entry(fh_inode, name, node)
 
     @translated
     async def releasedir(self, fh: int) -> None:
@@ -274,7 +400,11 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self._handle(fh).write(off, buf)
+        n = await self._handle(fh).write(off, buf)
+        # A write to ctl may have renamed or ended a session: its old name is gone from
+        # the kernel's cache before the writer goes on (``echo kill > ctl; ls s/x``).
+        await self._entries_settled()
+        return n
 
     @translated
     async def flush(self, fh: int) -> None:
@@ -319,6 +449,11 @@ class Operations(pyfuse3.Operations):
         if flags & pyfuse3.RENAME_NOREPLACE and parent.lookup(new) is not None:
             raise pyfuse3.FUSEError(errno.EEXIST)
         await parent.rename(old, new)
+        # The kernel moves its cached entry to the new name without a lookup: watch it
+        # there, or a later ``ctl rn`` would leave the new name cached.
+        node = parent.lookup(new)
+        if node is not None and node.entry_ttl > 0:
+            self._watch_entry(parent_inode_old, new, node)
 
     @translated
     async def create(
@@ -343,6 +478,15 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         raise pyfuse3.FUSEError(errno.EACCES)
+
+
+def _invalidate_entries(entries: list[tuple[int, str]]) -> None:
+    """In a worker thread: each call may wait for a request in the parent to finish."""
+    for parent, name in entries:
+        try:
+            pyfuse3.invalidate_entry(parent, name.encode())
+        except OSError:
+            pass  # not cached (ENOENT): nothing to forget
 
 
 def _by_name(entry: tuple[str, Node]) -> str:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from olliefs.errors import (
     Denied,
@@ -45,6 +45,22 @@ from olliefs.fs import interrupt
 from olliefs.live import GrowingLog, StateCell
 
 STARTED = time.time()  # the mtime of what never changes while the daemon runs
+
+# How long the kernel may keep what it was told of a node whose every change is announced
+# (a ``Watchable`` source) or that never changes: the frontend invalidates the kernel's
+# copy at the change, so the figure only bounds the damage of a change left unannounced.
+CACHED_TTL = 1.0
+
+
+class Watchable(Protocol):
+    """A source of content that announces its changes (``GrowingLog``, ``StateCell``).
+
+    ``observers`` are called, once each, at the next change and then dropped (the source
+    empties the list before calling them): a frontend registers one when it tells the
+    kernel something it may cache, and the call is its cue to invalidate it.
+    """
+
+    observers: list[Callable[[], None]]
 
 
 class Stamp:
@@ -101,11 +117,16 @@ class Node:
     # How long the kernel may keep this name -> node lookup. Names declared in spec.py
     # never change while their parent exists; session directories come and go.
     entry_ttl: float = 1.0
-    # How long the kernel may keep the attributes. Files: never (their size changes all
-    # the time and ``tail -f`` needs the real one). Directories: their attributes do not
-    # change, and with default_permissions the kernel checks every directory of a path on
-    # every walk, so caching them saves a round trip per path component.
+    # How long the kernel may keep the attributes of a node without a ``watch()`` source.
+    # Synthetic text: never (its size changes as the runtime does, unannounced: each stat
+    # renders it). Files that never change and directories: CACHED_TTL (with
+    # default_permissions the kernel checks every directory of a path on every walk, so
+    # caching them saves a round trip per path component). A node with a ``watch()``
+    # source is cached CACHED_TTL and invalidated when the source changes.
     attr_ttl: float = 0.0
+    # True where mode, size, mtime and nlink never change while the node lives (a
+    # session's directory): the frontend may build its attributes once.
+    fixed_attrs: bool = False
 
     @property
     def mode(self) -> int:
@@ -128,6 +149,16 @@ class Node:
 
     def valid(self) -> bool:
         return True
+
+    def watch(self) -> Watchable | None:
+        """What announces every change of this node's size and mtime (None: nothing)."""
+        return None
+
+    def entry_watch(self) -> Watchable | None:
+        """What announces that this node may have left its name (renamed, removed)
+        behind the kernel's back; None where the name is only changed through the
+        mount (the kernel then updates its own cache) or never."""
+        return None
 
     async def chmod(self, mode: int) -> None:
         raise NotPermitted("the mode of this file is fixed")
@@ -183,7 +214,7 @@ class File(Node):
 
 class Dir(Node):
     perm = 0o555
-    attr_ttl = 1.0
+    attr_ttl = CACHED_TTL
 
     @property
     def mode(self) -> int:
@@ -237,9 +268,13 @@ class Text(File):
     live: Callable[[], bool] = lambda: True
     refresh: Callable[[], Awaitable[None]] | None = None
     stamp: Stamp | None = None
+    source: Watchable | None = None  # announces each change of the rendered text
 
     def size(self) -> int:
         return len(self.render().encode())
+
+    def watch(self) -> Watchable | None:
+        return self.source
 
     def stat(self) -> tuple[int, int]:
         data = self.render().encode()
@@ -392,6 +427,7 @@ class PromptIn(File):
     refused: Callable[[str], None]
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
+    attr_ttl = CACHED_TTL  # always empty, never changes
 
     def valid(self) -> bool:
         return self.live()
@@ -519,6 +555,9 @@ class LogFile(File):
     def mtime(self) -> float:
         return self.log.mtime
 
+    def watch(self) -> Watchable | None:
+        return self.log
+
     def valid(self) -> bool:
         return not self.log.closed
 
@@ -550,6 +589,7 @@ class StateWait(File):
     key: Hashable
     cell: StateCell
     gone: Callable[[], bool]
+    attr_ttl = CACHED_TTL  # reads as one value per open; stats as empty, always
 
     def valid(self) -> bool:
         return not self.gone()
@@ -590,6 +630,7 @@ class FifoOut(File):
     pop: Callable[[], str | None]
     park: Callable[[], Awaitable[None]]
     gone: Callable[[], bool]
+    attr_ttl = CACHED_TTL  # stats as empty, always
 
     def valid(self) -> bool:
         return not self.gone()

@@ -16,6 +16,7 @@ from pathlib import Path
 from olliefs.errors import NotFound, OllieError
 from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
+    CACHED_TTL,
     STARTED,
     Collected,
     Control,
@@ -30,6 +31,7 @@ from olliefs.fs.nodes import (
     StateWait,
     StaticDir,
     Text,
+    Watchable,
 )
 from olliefs.fs.profiles import ProfilesDir
 from olliefs.session.commands import help_text
@@ -83,7 +85,9 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "chat": LogFile(("s", u, "chat"), s.chat),
         "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),
         "events": LogFile(("s", u, "events"), s.events, blocking=True),
-        "state": text("state", lambda: s.state.value + "\n"),
+        "state": Text(
+            ("s", u, "state"), lambda: s.state.value + "\n", live, None, stamp("state"), s.state
+        ),
         "statewait": StateWait(("s", u, "statewait"), s.state, lambda: s.closed),
         "cfg": Control(
             ("s", u, "cfg"),
@@ -156,14 +160,29 @@ class PeerDir(Dir):
         return not self.s.closed
 
 
+# The sub-directories of a session directory (its nlink, without building its files).
+SESSION_SUBDIRS = ("branches", "peer", "compactions")
+
+
 class SessionDir(StaticDir):
     """``s/<id>/``: unlink inside succeeds and does nothing, so ``rm -r`` reaches rmdir.
 
-    Its name is looked up afresh every time (``entry_ttl`` 0): ``ctl rn`` and ``ctl kill``
-    change it behind the kernel's back.
+    Its name may be cached by the kernel (``entry_ttl``) although ``ctl rn`` and
+    ``ctl kill`` change it behind the kernel's back: both are announced in the session's
+    ``events`` log (a rename emits a line, a kill closes it), its ``entry_watch()``, at
+    which the frontend checks the name and invalidates it if it no longer leads here.
     """
 
-    entry_ttl = 0.0
+    entry_ttl = CACHED_TTL
+    fixed_attrs = True  # empty, born with the session, SESSION_SUBDIRS: a listing of
+    # s/ with 1,000 sessions answers 1,000 of them
+    events: Watchable | None = None
+
+    def entry_watch(self) -> Watchable | None:
+        return self.events
+
+    def nlink(self) -> int:
+        return 2 + len(SESSION_SUBDIRS)
 
     async def unlink(self, name: str) -> None:
         pass
@@ -185,6 +204,9 @@ class SessionsDir(Dir):
         self._session_stamps: weakref.WeakKeyDictionary[Session, dict[str, Stamp]] = (
             weakref.WeakKeyDictionary()
         )
+        # The node of each live session's directory, made once: a listing of s/ with
+        # 1,000 sessions would otherwise make 1,000 of them (and as many weak references).
+        self._dirs: dict[str, tuple[Session, SessionDir]] = {}
 
     def _fixed(self) -> dict[str, Node]:
         reg = self.reg
@@ -204,14 +226,32 @@ class SessionsDir(Dir):
             "idx": Text(("s", "idx"), reg.idx_text, stamp=root_stamp(self.stamps, "s/idx")),
         }
 
-    def _session_dir(self, s: Session) -> Node:
+    def _session_dir(self, s: Session) -> SessionDir:
+        got = self._dirs.get(s.uid)
+        if got is not None and got[0] is s:
+            return got[1]
+        d = self._new_session_dir(s)
+        self._forget_gone()
+        self._dirs[s.uid] = (s, d)
+        return d
+
+    def _forget_gone(self) -> None:
+        """Drop the nodes of sessions that went away (each holds its session)."""
+        sessions = self.reg.sessions
+        if len(self._dirs) >= len(sessions):
+            live = {s.uid for s in sessions.values()}
+            self._dirs = {uid: got for uid, got in self._dirs.items() if uid in live}
+
+    def _new_session_dir(self, s: Session) -> SessionDir:
         stamps = self._session_stamps.setdefault(s, {})
-        return SessionDir(
+        d = SessionDir(
             ("s", s.uid),
             lambda: session_files(self.reg, s, stamps),
             lambda: not s.closed,
             born=s.created,
         )
+        d.events = s.events
+        return d
 
     def nlink(self) -> int:
         return 2 + len(self.reg.sessions)
@@ -221,8 +261,11 @@ class SessionsDir(Dir):
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         yield from self._fixed().items()
-        for sid in sorted(self.reg.sessions):
-            yield sid, self._session_dir(self.reg.sessions[sid])
+        sessions = self.reg.sessions
+        if len(self._dirs) > len(sessions):
+            self._forget_gone()
+        for sid in sorted(sessions):
+            yield sid, self._session_dir(sessions[sid])
 
     def lookup(self, name: str) -> Node | None:
         fixed = self._fixed()

@@ -1,0 +1,330 @@
+"""THE benchmark of issue 10: one table, each figure next to its reference from the same run.
+
+    .venv/bin/python bench/perf.py                 # 1,000 sessions (the issue's figures)
+    PERF_SESSIONS=100 .venv/bin/python bench/perf.py   # quicker, while developing
+
+Needs root, /dev/fuse, gcc and Debian's libfuse3-dev (pkg-config fuse3). It builds the C
+reference (``bench/ref/reffs.c``) in a scratch directory, mounts it with the attribute and
+entry timeouts olliefs uses (read from olliefs itself, so the two can never drift apart),
+mounts olliefs through the test harness (``olliefs.testing.Daemon``: the real daemon, a
+loopback replay server), makes the sessions in both, and measures the same operation on
+both in turns. Then, when ``bench/perf_stream.py`` exists, it adds the rows its ``rows()``
+returns (streams, journal, runtime latency: helper perfstream's part).
+
+Nothing is asserted: a figure that misses its target is printed as MISS.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from perf_common import Row, p50, p99, table, within
+
+from olliefs.fs import nodes, spec
+from olliefs.live import StateCell
+from olliefs.replay import ReplayServer
+from olliefs.testing import Daemon
+
+HERE = Path(__file__).resolve().parent
+
+SESSIONS = int(os.environ.get("PERF_SESSIONS", "1000"))
+REPEAT = int(os.environ.get("PERF_REPEAT", "3000"))  # per small-operation figure
+READERS = int(os.environ.get("PERF_READERS", "1000"))  # blocked readers for the idle figure
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+# ---- the C reference ---------------------------------------------------------------------
+
+
+def build_ref(out: Path) -> Path:
+    flags = subprocess.run(
+        ["pkg-config", "--cflags", "--libs", "fuse3"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    exe = out / "reffs"
+    subprocess.run(
+        ["gcc", "-O2", "-o", str(exe), str(HERE / "ref" / "reffs.c"), *flags], check=True
+    )
+    return exe
+
+
+def timeouts() -> list[str]:
+    """What olliefs tells the kernel, in reffs's argument order."""
+    state = nodes.Text(("s", "x", "state"), lambda: "", source=StateCell())
+    return [
+        str(nodes.Dir.attr_ttl),
+        str(nodes.CACHED_TTL if state.watch() is not None else state.attr_ttl),
+        str(nodes.Node.entry_ttl),
+        str(spec.SessionDir.entry_ttl),
+        str(int(state.direct_io)),
+        "0",  # keep_cache: olliefs decides per open; 0 is the case of a changed file
+    ]
+
+
+@contextmanager
+def reffs(exe: Path, mnt: Path, sessions: int) -> Iterator[float]:
+    """Mounted reference; yields the seconds from spawn to the first answered stat."""
+    mnt.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [str(exe), str(mnt), str(sessions), *timeouts()], stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline() != b"ready\n":
+        raise RuntimeError("reffs did not mount")
+    os.stat(mnt / "s" / "0000" / "state")
+    took = time.perf_counter() - t0
+    try:
+        yield took
+    finally:
+        subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+# ---- measures ----------------------------------------------------------------------------
+
+
+def timed(op: Callable[[], object], n: int) -> list[float]:
+    """Seconds per call of ``op``, ``n`` times, after a warm-up call."""
+    op()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        op()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def us(xs: list[float]) -> list[float]:
+    return [x * 1e6 for x in xs]
+
+
+def stat_of(path: Path) -> Callable[[], object]:
+    return lambda: os.stat(path)
+
+
+def cat(path: Path) -> Callable[[], object]:
+    def op() -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return os.read(fd, 65536)
+        finally:
+            os.close(fd)
+
+    return op
+
+
+def listdir(path: Path) -> Callable[[], object]:
+    return lambda: os.listdir(path)
+
+
+def ls_l(path: Path) -> Callable[[], object]:
+    return lambda: subprocess.run(["ls", "-l", str(path)], check=True, stdout=subprocess.DEVNULL)
+
+
+def pair(name: str, ours: list[float], ref: list[float], unit: str, factor: float) -> list[Row]:
+    target = f"<= {factor:g}x ref"
+    rows = []
+    for label, f in (("p50", p50), ("p99", p99)):
+        o, r = f(ours), f(ref)
+        rows.append(Row(f"{name} {label}", o, r, unit, target, within(o, r, factor)))
+    return rows
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def make_sessions(d: Daemon, n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        out.append(d.new(name=f"{i:04d}"))
+    return out
+
+
+@contextmanager
+def blocked_readers(d: Daemon, sids: list[str], n: int) -> Iterator[None]:
+    """``n`` threads each blocked in read(2) at the end of a session's ``stream``."""
+    fds = []
+    for i in range(n):
+        fd = os.open(d.p(f"s/{sids[i % len(sids)]}/stream"), os.O_RDONLY)
+        os.read(fd, 1 << 20)  # what the chat holds already
+        fds.append(fd)
+    threads = [threading.Thread(target=os.read, args=(fd, 1 << 16), daemon=True) for fd in fds]
+    for t in threads:
+        t.start()
+    # Wait until the daemon holds them all: the kernel shows each thread asleep in FUSE.
+    deadline = time.monotonic() + 60
+    while sum(_fuse_wait(t.native_id) for t in threads) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the readers did not all block in the daemon")
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)  # release: EOF is not needed, the threads are daemons
+        # the threads stay blocked until the daemon stops; killing sessions ends them
+
+
+def _fuse_wait(tid: int | None) -> bool:
+    try:
+        with open(f"/proc/self/task/{tid}/wchan") as f:
+            wchan = f.read()
+        return "request_wait_answer" in wchan or "fuse" in wchan
+    except OSError:
+        return False
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+
+def fs_rows(tmp: Path) -> list[Row]:
+    exe = build_ref(tmp)
+    rows: list[Row] = []
+    with ReplayServer() as srv:
+        (tmp / "ours").mkdir()
+        d = Daemon(tmp / "ours", srv, {})
+        d.start()
+        try:
+            assert d.proc is not None
+            before = rss_kib(d.proc.pid)
+            sids = make_sessions(d, SESSIONS)
+            with open(d.p(f"s/{sids[0]}/chat"), "rb"):
+                pass
+            # Idle sessions: let a collection settle what creating them left.
+            time.sleep(1)
+            per = (rss_kib(d.proc.pid) - before) / SESSIONS
+            with reffs(exe, tmp / "ref", SESSIONS) as ref_mount_s:
+                ref = tmp / "ref"
+                ours_f, ref_f = d.p(f"s/{sids[1]}/state"), ref / "s" / "0001" / "state"
+                rows += pair(
+                    "stat s/<id>/state",
+                    us(timed(stat_of(ours_f), REPEAT)),
+                    us(timed(stat_of(ref_f), REPEAT)),
+                    "us",
+                    1.5,
+                )
+                rows += pair(
+                    "open+read+close state",
+                    us(timed(cat(ours_f), REPEAT)),
+                    us(timed(cat(ref_f), REPEAT)),
+                    "us",
+                    1.5,
+                )
+                n = max(20, REPEAT // 100)
+                rows += pair(
+                    f"readdir s/ ({SESSIONS} sessions)",
+                    us(timed(listdir(d.p("s")), n)),
+                    us(timed(listdir(ref / "s"), n)),
+                    "us",
+                    2,
+                )
+                ls_o, ls_r = timed(ls_l(d.p("s")), 10), timed(ls_l(ref / "s"), 10)
+                rows.append(
+                    Row(
+                        f"ls -l s/ ({SESSIONS} sessions) p50",
+                        p50(ls_o) * 1e3,
+                        p50(ls_r) * 1e3,
+                        "ms",
+                        "< 100 ms",
+                        p50(ls_o) < 0.1,
+                        "ls process start included, in both",
+                    )
+                )
+                rows.append(Row("RSS per idle session", per, None, "KiB", "< 50 KiB", per < 50))
+                # Other operations with READERS reads blocked in the daemon, then idle CPU.
+                cat_before = us(timed(cat(ours_f), REPEAT))
+                with blocked_readers(d, sids, READERS):
+                    cat_with = us(timed(cat(ours_f), REPEAT))
+                    c0, t0 = cpu_seconds(d.proc.pid), time.monotonic()
+                    time.sleep(3)
+                    cpu = (cpu_seconds(d.proc.pid) - c0) / (time.monotonic() - t0) * 100
+                    rows.append(
+                        Row(f"idle CPU, {READERS} blocked readers", cpu, None, "%", "< 2%", cpu < 2)
+                    )
+                    rows.append(
+                        Row(
+                            f"open+read+close with {READERS} readers p50",
+                            p50(cat_with),
+                            p50(cat_before),
+                            "us",
+                            "<= 1.2x without",
+                            within(p50(cat_with), p50(cat_before), 1.2),
+                            "ref: the same without readers",
+                        )
+                    )
+            d.stop()
+            # Mount-to-usable: the saved sessions restored and s/ listed whole.
+            t0 = time.perf_counter()
+            d.start()
+            while len(os.listdir(d.p("s"))) < SESSIONS + 2:
+                pass
+            mount = time.perf_counter() - t0
+            rows.append(
+                Row(
+                    f"mount-to-usable, {SESSIONS} saved",
+                    mount,
+                    ref_mount_s,
+                    "s",
+                    "< 0.5 s",
+                    mount < 0.5,
+                    "includes the Python interpreter's start; ref: reffs spawn",
+                )
+            )
+        finally:
+            d.stop()
+    return rows
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as t:
+        rows = fs_rows(Path(t))
+    if (HERE / "perf_stream.py").exists():
+        spec_ = importlib.util.spec_from_file_location("perf_stream", HERE / "perf_stream.py")
+        assert spec_ is not None and spec_.loader is not None
+        mod = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(mod)
+        rows += mod.rows()
+    print(table(rows))
+    print(f"\n{SESSIONS} sessions, {REPEAT} repeats; {machine()}")
+    return 0 if all(r.ok is not False for r in rows) else 1
+
+
+def machine() -> str:
+    cpu = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"nproc {os.cpu_count()}, {cpu}, kernel {os.uname().release}"
+
+
+if __name__ == "__main__":
+    shutil.which("gcc") or sys.exit("perf.py needs gcc and libfuse3-dev")
+    sys.exit(main())
