@@ -129,6 +129,9 @@ class Agent:
         self.hook_failure: HookFailure = "warn"
         self.hook_timeout = HOOK_TIMEOUT
         self.compaction_model: str | None = None  # the profile's compactionModel
+        # ``ctl compact`` during a turn (the agent asking through its own ctl, or the
+        # user): the focus, taken before the turn's next request.
+        self.compact_requested: str | None = None
         self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
 
     # ---- the turn host --------------------------------------------------------------
@@ -232,6 +235,9 @@ class Agent:
         return self.safety.after_round(self.taskstate, failed=rnd.failed, planned=rnd.planned)
 
     async def compact_if_needed(self, *, overflow: bool = False) -> bool:
+        if self.compact_requested is not None and not overflow:
+            focus, self.compact_requested = self.compact_requested, None
+            return await self.compact(focus, "ctl")
         est = self.history.totals.last_context_tokens or self.history.estimate()
         if not overflow and not should_compact(est, self.context_length):
             return False

@@ -246,8 +246,7 @@ def _rewind(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.host.rewind(s, n)
 
 
-@command("compact", "any", "compact [focus]: summarize the history (the whole of it is kept)",
-         while_running=False)  # fmt: skip
+@command("compact", "any", "compact [focus]: summarize the history (in a turn: at its next step)")
 def _compact(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.compact(arg)
 

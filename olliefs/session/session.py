@@ -249,8 +249,12 @@ class Session:
         self.turn_starts = [0]  # the compacted history is one turn's start
 
     async def compact(self, focus: str) -> None:
+        """``ctl compact [focus]``: now when idle; during a turn (the agent compacting
+        itself through its ctl, or the user) before the turn's next request."""
         if self.running:
-            raise Busy("compact: refused while a turn is running")
+            self.agent.compact_requested = focus
+            self.emit("info", "compaction requested: before the next request of this turn")
+            return
         self.set_state("compacting")
         try:
             await self.agent.compact(focus)

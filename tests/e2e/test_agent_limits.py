@@ -472,3 +472,29 @@ def test_compaction_hooks_and_model(daemon: Daemon) -> None:
     ]
     assert payloads[0]["tokens"] > 0 and payloads[1]["compaction"] == 1
     assert payloads[3]["compaction"] == 2
+
+
+def test_the_agent_compacts_itself_through_its_ctl(daemon: Daemon) -> None:
+    """Issue 8: compaction "by the agent itself through its ctl". The model writes
+    ``compact FOCUS`` to its own ctl with client_9p while its turn runs: the write is
+    accepted (not EBUSY), and the turn's next request is preceded by a compaction with
+    that focus and carries the compacted history."""
+    sid = daemon.new(name="selfcompact")
+    turns(daemon, sid, 5)
+    reqs = run(
+        daemon,
+        sid,
+        "tidy up",
+        call("client_9p", 1, op="write", path="ctl", data="compact keep the ints"),
+        json.dumps({"reply": json.dumps(ANSWER)}),
+        '{"reply": "tidied"}',
+    )
+    assert len(reqs) == 3
+    _first, comp, after = reqs
+    assert texts(comp)[0] == PROMPT and "keep the ints" in "\n".join(texts(comp))
+    assert texts(after)[1].startswith(COMPACTED_HEADER)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "error:" not in chat
+    assert chat.index(":: compaction requested") < chat.index(":: compacting (focus: keep the")
+    assert chat.index(":: compacted") < chat.index("tidied")
+    assert daemon.read(f"s/{sid}/compactions/1/summary")
