@@ -45,6 +45,14 @@ DEFAULT_MODEL = "gpt-4o-mini"
 # The daemon's own attach to toolsrv, for t/idx and tool metadata (never a session uid,
 # which always holds a '-').
 TREE_AGENT = "olliefs_tree"
+PROFILE_PARAMS = (
+    "maxTokens",
+    "temperature",
+    "frequencyPenalty",
+    "presencePenalty",
+    "thinkingBudget",
+)
+"""Profile keys that are also cfg keys: a new session takes them from its profile."""
 SUB = "__"  # <parent>__<child>: a subagent's session name
 CATALOGUE_MAX_AGE = 1.0
 
@@ -329,10 +337,15 @@ class Registry:
         if "cwd" not in values:
             raise InvalidRequest("s/new: cwd= is required")
         values["cwd"] = resolve_cwd(values["cwd"])
-        values.setdefault("backend", self.default_backend)
-        self.check_backend(values["backend"])
         values.setdefault("agent", "default")
         self.check_agent(values["agent"])
+        # The profile's backend and model, where s/new does not name them (as ctl agent).
+        prof = self.profile(values["agent"])
+        for key in ("backend", "model"):
+            if key not in values and isinstance(prof.get(key), str) and prof[key]:
+                values[key] = prof[key]
+        values.setdefault("backend", self.default_backend)
+        self.check_backend(values["backend"])
         if "model" not in values:
             values["model"] = self.settings.get("OLLIE_MODEL") or self._default_model(
                 values["backend"]
@@ -347,12 +360,19 @@ class Registry:
         cfg = Cfg(backend=v["backend"], model=v["model"], agent=v["agent"], cwd=v["cwd"])
         # The profile's step limit, as its tools (Session takes those itself): a limit
         # known only to ``ctl agent`` let a session made with agent= run 50 rounds.
-        steps = self.profile(cfg.agent).get("maxSteps")
+        prof = self.profile(cfg.agent)
+        steps = prof.get("maxSteps")
         extra: list[persist.Record] = []
         if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
             extra.append(persist.MaxSteps(steps))
+        # The profile's generation parameters (validated when the profile was written).
+        params = {k: prof[k] for k in PROFILE_PARAMS if prof.get(k) is not None}
+        if params:
+            extra.append(persist.Cfg(params))
         created = f"created (cwd {cfg.cwd}, {cfg.backend}/{cfg.model})"
-        return await self._make(v.get("name"), cfg, extra, lambda sid: f"session {sid} {created}")
+        s = await self._make(v.get("name"), cfg, extra, lambda sid: f"session {sid} {created}")
+        s.spawned = True  # its start runs agentSpawn and the profile's userPrompts
+        return s
 
     async def fork(self, src: Session, name: str, n: int, *, checkpoint: bool = False) -> None:
         """``ctl fork``: a new session with ``src``'s configuration, tools and first ``n``

@@ -120,6 +120,7 @@ class Session:
         self.uid = uid
         self.id = id
         self.created = created
+        self.spawned = False  # made by s/new: its start runs agentSpawn and userPrompts
         self.chat = GrowingLog(host.log_path(uid, "chat"))
         self.renderer = ChatRenderer(self.chat)
         self.events = GrowingLog(host.log_path(uid, "events"))
@@ -315,7 +316,10 @@ class Session:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
-                await self._build_current()
+                rt = await self._build_current()
+                if self.spawned and rt is not None:
+                    self.spawned = False
+                    await self._agent_started(rt)
                 try:
                     while True:
                         while not self.queue:
@@ -545,13 +549,7 @@ class Session:
         for note in rt.notes:
             self.emit("info", note)
         await self.sync()
-        spawn = await self.agent.hook(
-            "agentSpawn", parent=self.id.rpartition("__")[0], depth=self.id.count("__")
-        )
-        if spawn is not None and spawn.context.strip():
-            self.agent.add_message(Message("user", f"[agentSpawn hook]\n{spawn.context.strip()}"))
-        for prompt in rt.user_prompts:
-            await self.submit(prompt)
+        await self._agent_started(rt)
 
     def _adopt(self, rt: Runtime) -> None:
         """What of a built profile lives only in memory: rebuilt at every start."""
@@ -562,7 +560,7 @@ class Session:
         self.agent.hook_timeout = rt.hook_timeout
         self.agent.compaction_model = rt.compaction_model
 
-    async def _build_current(self) -> None:
+    async def _build_current(self) -> Runtime | None:
         """At the session's start (new or restored): its profile's prompt, hooks and
         allowTools. The tools and the history come from the journal, not from here."""
         name = self.cfg.agent
@@ -570,8 +568,20 @@ class Session:
             rt = await self.host.build_runtime(name, self.cwd, self.agent.tool_env())
         except InvalidRequest as err:
             self.error(f"agent {name}: {err} (running without its prompt and hooks)")
-            return
+            return None
         self._adopt(rt)
+        return rt
+
+    async def _agent_started(self, rt: Runtime) -> None:
+        """A new session (s/new) or a switched one (ctl agent): the agentSpawn hook, whose
+        output joins the context, then the profile's userPrompts, queued in order."""
+        spawn = await self.agent.hook(
+            "agentSpawn", parent=self.id.rpartition("__")[0], depth=self.id.count("__")
+        )
+        if spawn is not None and spawn.context.strip():
+            self.agent.add_message(Message("user", f"[agentSpawn hook]\n{spawn.context.strip()}"))
+        for prompt in rt.user_prompts:
+            await self.submit(prompt)
 
     def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
         self.record(persist.Cfg(dict(values)))

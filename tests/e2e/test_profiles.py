@@ -97,3 +97,36 @@ def test_a_tool_cannot_write_a_profile(daemon: Daemon) -> None:
     tool = [m for m in daemon.replay.requests[1]["messages"] if m["role"] == "tool"]
     assert "Permission denied" in tool[0]["content"] or "EACCES" in tool[0]["content"]
     assert "sandboxed process" in daemon.read("err")
+
+
+def test_s_new_with_an_agent_starts_it_as_ctl_agent_does(daemon: Daemon) -> None:
+    """``s/new agent=NAME`` is the agent's start as ollie-agent(5) tells it, not only its
+    prompt and tools: the profile's model and generation parameters (unless s/new names
+    them), the agentSpawn hook (its output joins the context) and the userPrompts, run
+    in order."""
+    starter = {
+        "model": "profile-model",
+        "temperature": 0.25,
+        "maxTokens": 333,
+        "userPrompts": ["first task", "second task"],
+        "hooks": {"agentSpawn": "echo spawned at depth $OLLIE_DEPTH"},
+    }
+    put(daemon, "a/starter.json", json.dumps(starter))
+    daemon.replay.add(script('{"reply": "one"}', '{"reply": "two"}'))
+    sid = daemon.new(name="st", agent="starter")
+    daemon.wait_for(lambda: len(daemon.replay.requests) == 2)
+    daemon.wait_idle(sid)
+    cfg = daemon.read(f"s/{sid}/cfg")
+    assert "model=profile-model\n" in cfg and "temperature=0.25\n" in cfg
+    assert "maxTokens=333\n" in cfg
+    first, second = daemon.replay.requests
+    assert first["model"] == "profile-model" and first.get("temperature") == 0.25
+    assert any("spawned at depth" in str(m.get("content")) for m in first["messages"])
+    assert first["messages"][-1]["content"] == "first task"
+    assert second["messages"][-1]["content"] == "second task"
+    # s/new's own model wins over the profile's; the default profile starts nothing.
+    other = daemon.new(name="st2", agent="starter", model="given")
+    assert "model=given\n" in daemon.read(f"s/{other}/cfg")
+    plain = daemon.new(name="plain")
+    daemon.wait_idle(plain)
+    assert daemon.read(f"s/{plain}/context") == ""
