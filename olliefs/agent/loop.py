@@ -14,6 +14,7 @@ If toolsrv cannot be reached the turn goes on (the refresh says so with an error
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -121,15 +122,34 @@ async def run_turn(host: TurnHost, prompt: str) -> None:
     host.add_message(Message("user", prompt))
     if pre is not None and pre.context.strip():
         host.add_message(Message("user", f"[preTurn hook]\n{pre.context.strip()}"))
+    outcome = _Outcome()
     try:
-        await _steps(host)
+        await _steps(host, outcome)
+    except trio.Cancelled:
+        outcome.end = "stopped"
+        raise
     finally:
         with trio.CancelScope(shield=True):
             last = next((m for m in reversed(host.history.messages) if m.role == "assistant"), None)
-            await host.hook("postTurn", prompt=prompt, reply=last.content if last else "")
+            await host.hook(
+                "postTurn",
+                prompt=prompt,
+                reply=last.content if last else "",
+                end=outcome.end,
+                rounds=outcome.rounds,
+            )
 
 
-async def _steps(host: TurnHost) -> None:
+@dataclass
+class _Outcome:
+    """How a turn ended, for postTurn: ``done``, ``stopped``, ``maxsteps`` or ``error``
+    (anything raised: an abort, a backend error), and the tool rounds it took."""
+
+    end: str = "error"
+    rounds: int = 0
+
+
+async def _steps(host: TurnHost, outcome: _Outcome) -> None:
     cache = ReadCache()
     await refresh_tools(host)
     for _ in range(host.max_steps):
@@ -143,8 +163,10 @@ async def _steps(host: TurnHost) -> None:
             reply = await stream_reply(host)
         host.add_message(reply)
         if not reply.tool_calls and not _inject(host):
+            outcome.end = "done"
             return
         if reply.tool_calls:
+            outcome.rounds += 1
             await run_tools(host, reply.tool_calls, cache)
             await refresh_tools(host)
             _apply_safety(host, host.after_round())
@@ -156,6 +178,7 @@ async def _steps(host: TurnHost) -> None:
     # No tool is run now: calls the model made anyway are dropped from its message, so
     # the history stays valid (every call answered).
     host.add_message(msgspec.structs.replace(final, tool_calls=()))
+    outcome.end = "maxsteps"
 
 
 def _apply_safety(host: TurnHost, actions: list[Action]) -> None:

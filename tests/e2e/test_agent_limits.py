@@ -498,3 +498,21 @@ def test_the_agent_compacts_itself_through_its_ctl(daemon: Daemon) -> None:
     assert chat.index(":: compaction requested") < chat.index(":: compacting (focus: keep the")
     assert chat.index(":: compacted") < chat.index("tidied")
     assert daemon.read(f"s/{sid}/compactions/1/summary")
+
+
+def test_post_turn_is_told_how_the_turn_ended(daemon: Daemon) -> None:
+    """postTurn's payload has ``end`` (done, maxsteps, error; stopped is a cancel) and
+    ``rounds`` (tool rounds), as ollie-agent(5) lists them."""
+    log = daemon.work / "post.log"
+    profile = {
+        "tools": ["client_9p", "reasoning_think"],
+        "hooks": {"postTurn": f'echo "$OLLIE_END $OLLIE_ROUNDS" >> {log}'},
+    }
+    with open(daemon.p("a/post.json"), "w") as f:
+        f.write(json.dumps(profile))
+    sid = daemon.new(name="pt", agent="post")
+    run(daemon, sid, "two rounds", think(1), think(2), '{"reply": "done"}')
+    daemon.write(f"s/{sid}/ctl", "maxsteps 1")
+    run(daemon, sid, "one round then the limit", think(3), '{"reply": "summary"}')
+    run(daemon, sid, "a failing backend", '{"status": 400, "error": "bad request"}')
+    assert log.read_text().split("\n")[:-1] == ["done 2", "maxsteps 1", "error 0"]
