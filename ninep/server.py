@@ -845,7 +845,7 @@ async def serve_connection(
         stats.connections -= 1
 
 
-def _clear_stale_socket(path: str) -> None:
+def clear_stale_socket(path: str) -> None:
     """Remove a socket file nobody listens on; refuse to touch anything else."""
     try:
         st = os.lstat(path)
@@ -913,7 +913,7 @@ async def serve_unix(
         raise ValueError(f"max_msize must be at least {MIN_MSIZE}")
     if stats is None:
         stats = ServerStats()
-    _clear_stale_socket(path)
+    clear_stale_socket(path)
     sock = trio.socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     ino = -1
     try:

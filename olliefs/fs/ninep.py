@@ -41,6 +41,7 @@ belongs on a network that is private already (a VPN, an ssh tunnel).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -69,7 +70,7 @@ from ninep.codec import (
     Qid,
     Stat,
 )
-from ninep.server import BaseFileSystem, ServerStats, serve_connection
+from ninep.server import BaseFileSystem, ServerStats, clear_stale_socket, serve_connection
 from olliefs import errors
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
@@ -430,34 +431,16 @@ async def _serve_client(export: Export, stream: trio.SocketStream, unix: bool) -
     )
 
 
-def _clear_stale_socket(path: str) -> None:
-    """Remove a socket file nobody listens on; refuse to touch anything else."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not _stat.S_ISSOCK(st.st_mode):
-        raise AddressError(f"9P socket {path}: exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.setblocking(False)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        os.unlink(path)  # stale: its server is gone
-        return
-    except FileNotFoundError:
-        return
-    except BlockingIOError:
-        pass
-    finally:
-        probe.close()
-    raise AddressError(f"9P socket {path}: a server is already listening there")
-
-
 async def _unix_listener(path: str) -> tuple[trio.SocketListener, Callable[[], None]]:
     """A listening unix socket of mode 0600 (set before listen: no moment when it is
     wider), and how to remove it again."""
-    _clear_stale_socket(path)
+    try:
+        clear_stale_socket(path)
+    except OSError as err:
+        why = (
+            "a server is already listening there" if err.errno == errno.EADDRINUSE else err.strerror
+        )
+        raise AddressError(f"9P socket {path}: {why}") from None
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await sock.bind(path)
