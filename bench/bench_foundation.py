@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+from perf_stream import Clock, lat, receive_times, token_direct
 
 from olliefs.replay import ReplayServer, parse_script
 from olliefs.testing import Daemon
@@ -37,49 +37,6 @@ STAT_READS = 3000
 def token_script() -> str:
     reply = "".join(f"<{i:04d}>" for i in range(TOKENS))
     return f'{{"reply": "{reply}", "chunk": 6, "delay": {GAP}}}'
-
-
-class Clock:
-    """Send times by token, from the replay server's ``on_send`` hook."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, float] = {}
-
-    def on_send(self, text: str, t: float) -> None:
-        self.sent.setdefault(text, t)
-
-
-def receive_times(chunks: list[tuple[bytes, float]]) -> dict[str, float]:
-    """First time each ``<NNNN>`` token was complete in what the reader had received."""
-    seen = b""
-    out: dict[str, float] = {}
-    for data, t in chunks:
-        start = len(seen)
-        seen += data
-        # a token is complete when its closing '>' arrived in this chunk
-        i = seen.find(b"<", max(start - 5, 0))
-        while i >= 0 and i + 6 <= len(seen):
-            tok = seen[i : i + 6].decode(errors="replace")
-            if tok.startswith("<") and tok.endswith(">"):
-                out.setdefault(tok, t)
-            i = seen.find(b"<", i + 1)
-    return out
-
-
-def latencies(clock: Clock, got: dict[str, float]) -> list[float]:
-    return [got[tok] - t for tok, t in clock.sent.items() if tok in got]
-
-
-def direct_reference(clock: Clock, srv: ReplayServer) -> list[float]:
-    chunks: list[tuple[bytes, float]] = []
-    body = {"model": "replay", "stream": True, "messages": [{"role": "user", "content": "x"}]}
-    with (
-        httpx.Client() as client,
-        client.stream("POST", srv.url + "/chat/completions", json=body) as r,
-    ):
-        for data in r.iter_raw():
-            chunks.append((data, time.monotonic()))
-    return latencies(clock, receive_times(chunks))
 
 
 def through_olliefs(clock: Clock, d: Daemon) -> list[float]:
@@ -103,7 +60,7 @@ def through_olliefs(clock: Clock, d: Daemon) -> list[float]:
     d.write("s/bench/ctl", "kill")  # EOF ends the reader
     t.join()
     os.close(fd)
-    return latencies(clock, receive_times(chunks))
+    return lat(clock, receive_times(chunks))
 
 
 def stat_read(path: Path) -> list[float]:
@@ -145,7 +102,7 @@ def main() -> int:
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp, ReplayServer(on_send=clock.on_send) as srv:
         srv.add(parse_script(token_script()))
-        ref = direct_reference(clock, srv)
+        ref = token_direct(clock, srv)
         clock.sent.clear()
         srv.add(parse_script(token_script()))
         d = Daemon(Path(tmp), srv, {})
