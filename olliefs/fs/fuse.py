@@ -36,13 +36,14 @@ for two attributes per entry, and would otherwise pay two round trips for each.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
+from typing import Any, ParamSpec, TypeVar, cast
 
 import pyfuse3
 import trio
@@ -74,6 +75,22 @@ def translated(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any,
     return wrapper
 
 
+_Op = TypeVar("_Op", bound=Callable[..., Awaitable[Any]])
+
+
+def holds_dir(fn: _Op) -> _Op:
+    """An operation on the directory named by its first argument (a parent inode): the
+    kernel holds that directory's lock until this answers, and the stale names of that
+    directory wait (see `Operations._drain_entries`)."""
+
+    @functools.wraps(fn)
+    async def wrapper(ops: Operations, ino: int, *args: Any, **kwargs: Any) -> Any:
+        with ops.in_dir(ino):
+            return await fn(ops, ino, *args, **kwargs)
+
+    return cast(_Op, wrapper)
+
+
 class Operations(pyfuse3.Operations):
     def __init__(self, root: Dir, max_waiters: int) -> None:
         super().__init__()
@@ -100,6 +117,13 @@ class Operations(pyfuse3.Operations):
         self._stale_entries: list[tuple[int, str]] = []
         self._draining = False
         self._drained = trio.Event()
+        # Requests in flight per directory inode, and a wake-up when one ends: a name
+        # is invalidated only while no request in its directory waits for this process
+        # (the kernel holds the directory's lock meanwhile: were this process killed with
+        # the invalidation waiting for that lock, the worker thread would sit in D state
+        # for good, keep /dev/fuse open, and the mount could never be torn down).
+        self._busy_dirs: dict[int, int] = {}
+        self._dir_free = trio.Event()
         # Counts for tests and the bench: invalidations sent to the kernel.
         self.invalidated_attrs = 0
         self.invalidated_entries = 0
@@ -187,9 +211,25 @@ class Operations(pyfuse3.Operations):
 
         source.observers.append(changed)
 
+    @contextlib.contextmanager
+    def in_dir(self, ino: int) -> Iterator[None]:
+        self._busy_dirs[ino] = self._busy_dirs.get(ino, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._busy_dirs[ino] - 1
+            if left:
+                self._busy_dirs[ino] = left
+            else:
+                del self._busy_dirs[ino]
+                self._dir_free.set()
+                self._dir_free = trio.Event()
+
     async def _drain_entries(self) -> None:
         try:
             while self._stale_entries:
+                while any(parent in self._busy_dirs for parent, _name in self._stale_entries):
+                    await self._dir_free.wait()
                 batch, self._stale_entries = self._stale_entries, []
                 await trio.to_thread.run_sync(_invalidate_entries, batch)
                 self.invalidated_entries += len(batch)
@@ -252,6 +292,7 @@ class Operations(pyfuse3.Operations):
     # ---- lookups and attributes -----------------------------------------------------
 
     @translated
+    @holds_dir
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -344,6 +385,16 @@ class Operations(pyfuse3.Operations):
     @translated
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         fh_inode, entries = self._dirs.get(fh, (0, []))
+        with self.in_dir(fh_inode):
+            await self._readdir(fh_inode, entries, start_id, token)
+
+    async def _readdir(
+        self,
+        fh_inode: int,
+        entries: list[tuple[str, Node]],
+        start_id: int,
+        token: pyfuse3.ReaddirToken,
+    ) -> None:
         for i in range(start_id, len(entries)):
             name, node = entries[i]
             if not node.valid():
@@ -423,14 +474,17 @@ class Operations(pyfuse3.Operations):
     # ---- namespace changes ----------------------------------------------------------
 
     @translated
+    @holds_dir
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self._dir(parent_inode).unlink(self._name(name))
 
     @translated
+    @holds_dir
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self._dir(parent_inode).rmdir(self._name(name))
 
     @translated
+    @holds_dir
     async def rename(
         self,
         parent_inode_old: int,
@@ -456,6 +510,7 @@ class Operations(pyfuse3.Operations):
             self._watch_entry(parent_inode_old, new, node)
 
     @translated
+    @holds_dir
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
@@ -467,6 +522,7 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=self._fh(handle), direct_io=direct_io, keep_cache=False), attrs
 
     @translated
+    @holds_dir
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
