@@ -40,7 +40,7 @@ from olliefs.backend.base import (
     ToolCall,
     Usage,
 )
-from olliefs.backend.openai import parse_base_url
+from olliefs.backend.openai import function_tools, parse_base_url
 from olliefs.backend.stream import HTTPBackend, NDJSONSplitter, Secrets, decode_json, http_error
 
 STREAM_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-seq")
@@ -182,17 +182,7 @@ def request_body(
         "stream": True,
     }
     if tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description,
-                    "parameters": t.parameters,
-                },
-            }
-            for t in tools
-        ]
+        body["tools"] = function_tools(tools)
     options = {
         "num_predict": params.max_tokens,
         "temperature": params.temperature,

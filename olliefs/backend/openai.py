@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -345,6 +345,17 @@ def wire_message(message: Message) -> dict[str, Any]:
     return wire
 
 
+def function_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """Tools in the OpenAI chat ``function`` shape (Ollama takes the same)."""
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in tools
+    ]
+
+
 def request_body(
     model: str,
     messages: list[Message],
@@ -360,17 +371,7 @@ def request_body(
         "stream_options": {"include_usage": True},
     }
     if tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description,
-                    "parameters": t.parameters,
-                },
-            }
-            for t in tools
-        ]
+        body["tools"] = function_tools(tools)
     sampling = {
         "temperature": params.temperature,
         "frequency_penalty": params.frequency_penalty,
