@@ -70,3 +70,15 @@ class Interrupted(OllieError):
 
 class TooMany(OllieError):
     errno = _errno.EMFILE
+
+
+REASON_MAX = 400
+"""Characters of a refusal reason kept in ``err``, ``events``, chat and the log: a reason
+quotes what was written, and a 5 MB bad write must not become a 5 MB error line."""
+
+
+def short_reason(reason: str) -> str:
+    """``reason`` cut to `REASON_MAX` characters, saying how much was left out."""
+    if len(reason) <= REASON_MAX:
+        return reason
+    return f"{reason[:REASON_MAX]}... ({len(reason) - REASON_MAX} more characters)"

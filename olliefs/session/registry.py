@@ -25,7 +25,7 @@ from olliefs.agent.runtime import ToolLink
 from olliefs.agent.shell import base_env
 from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
-from olliefs.errors import Busy, Exists, InvalidRequest, NotFound
+from olliefs.errors import Busy, Exists, InvalidRequest, NotFound, short_reason
 from olliefs.live import GrowingLog
 from olliefs.session import persist
 from olliefs.session.commands import split_request
@@ -285,6 +285,7 @@ class Registry:
     def refused(self, reason: str) -> None:
         """A write outside any session was refused: the reason in the root ``err``, as
         an ``error`` event on the root ``events``, and in the log."""
+        reason = short_reason(reason)
         self.last_error = reason
         log.info("refused: %s", reason)
         ev = Event(time.time(), "", "", "error", "", reason)

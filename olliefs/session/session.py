@@ -37,7 +37,7 @@ from olliefs.agent.loop import TurnEnded
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink
 from olliefs.backend.base import BackendError, Message, Usage
-from olliefs.errors import Busy, InvalidRequest
+from olliefs.errors import Busy, InvalidRequest, short_reason
 from olliefs.live import GrowingLog, StateCell
 from olliefs.memory import give_back
 from olliefs.session import commands, persist
@@ -238,6 +238,7 @@ class Session:
     def refused(self, reason: str) -> None:
         """A write to this session was refused: the reason in ``err``, in chat as an
         ``error:`` line, in the events (root ``events`` too) and in the daemon log."""
+        reason = short_reason(reason)
         self.last_error = reason
         log.info("session %s: refused: %s", self.id, reason)
         self.error(reason)

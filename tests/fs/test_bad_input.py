@@ -112,3 +112,22 @@ def test_state_and_logs_are_private(daemon: Daemon) -> None:
     files += (home / "state" / "logs").iterdir()
     for f in files:
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+
+def test_a_huge_bad_write_gives_a_short_reason(daemon: Daemon) -> None:
+    """A reason quotes what was written: 600 KB of garbage to s/new or to a session's cfg
+    must not become a 600 KB line in err, events, chat and the log."""
+    sid = daemon.new(name="huge")
+    for path in ("s/new", f"s/{sid}/cfg"):
+        fd = os.open(daemon.p(path), os.O_WRONLY)
+        try:
+            with pytest.raises(OSError) as err:
+                os.write(fd, b"x" * 600_000)
+            assert err.value.errno == errno.EINVAL
+        finally:
+            os.close(fd)
+    for err_file in ("err", f"s/{sid}/err"):
+        text = daemon.read(err_file)
+        assert "more characters)" in text and len(text) < 1000, err_file
+    assert max(map(len, daemon.read(f"s/{sid}/chat").splitlines())) < 1000
+    assert len(daemon.stderr()) < 100_000
