@@ -171,14 +171,13 @@ class AnthropicParser:
         self._id = ""
         self._seen_start = False
 
-    def feed(self, chunk: bytes) -> list[StreamEvent]:
-        return self._read(self._sse.feed(chunk))
+    def feed(self, chunk: bytes, out: list[StreamEvent]) -> None:
+        self._read(self._sse.feed(chunk), out)
 
-    def close(self) -> list[StreamEvent]:
-        return self._read(self._sse.close())
+    def close(self, out: list[StreamEvent]) -> None:
+        self._read(self._sse.close(), out)
 
-    def _read(self, messages: list[SSEMessage]) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
+    def _read(self, messages: list[SSEMessage], out: list[StreamEvent]) -> None:
         decode = _EVENT.decode
         for message in messages:
             if message.event == "ping":
@@ -196,7 +195,6 @@ class AnthropicParser:
             self._message(event, message.data, message.event, out)
             if self.done:
                 break
-        return out
 
     def _message(self, event: _Event, data: bytes, name: str, out: list[StreamEvent]) -> None:
         kind = event.type or name

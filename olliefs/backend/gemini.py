@@ -158,19 +158,15 @@ class GeminiParser:
         self._finish_reason = ""
         self._response_id = ""
 
-    def feed(self, chunk: bytes) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
+    def feed(self, chunk: bytes, out: list[StreamEvent]) -> None:
         for message in self._sse.feed(chunk):
             self._message(message.data, out)
-        return out
 
-    def close(self) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
+    def close(self, out: list[StreamEvent]) -> None:
         for message in self._sse.close():
             self._message(message.data, out)
         if self._finished:
             self._finish(out)
-        return out
 
     def _message(self, data: bytes, out: list[StreamEvent]) -> None:
         if not data.strip():

@@ -211,22 +211,19 @@ class KiroParser:
         self._response_id = ""
         self._events = 0
 
-    def feed(self, chunk: bytes) -> list[StreamEvent]:
+    def feed(self, chunk: bytes, out: list[StreamEvent]) -> None:
         try:
             frames = self._frames.feed(chunk)
         except (ValueError, IndexError, struct.error) as exc:
             raise BadResponseError(f"{self._provider}: bad event stream frame ({exc})") from exc
-        out: list[StreamEvent] = []
         for frame in frames:
             self._frame(frame, out)
-        return out
 
-    def close(self) -> list[StreamEvent]:
+    def close(self, out: list[StreamEvent]) -> None:
         if self._frames.pending:
             raise StreamDropError(f"{self._provider}: the stream ended inside a frame")
         if not self._events:
             raise StreamDropError(f"{self._provider}: the stream ended without any event")
-        out: list[StreamEvent] = []
         self.done = True
         if self._uses:
             calls = tuple(
@@ -236,7 +233,6 @@ class KiroParser:
             out.append(StreamEvent("tool_calls", tool_calls=calls))
         reason = "tool_calls" if self._uses else "stop"
         out.append(StreamEvent("done", finish_reason=reason, response_id=self._response_id))
-        return out
 
     def _frame(self, frame: Frame, out: list[StreamEvent]) -> None:
         kind = frame.headers.get(":message-type", "event")

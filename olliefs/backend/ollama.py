@@ -92,21 +92,17 @@ class OllamaParser:
         self._calls: list[ToolCall] = []
         self._response_id = ""
 
-    def feed(self, chunk: bytes) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
+    def feed(self, chunk: bytes, out: list[StreamEvent]) -> None:
         for line in self._lines.feed(chunk):
             self._line(line, out)
             if self.done:
                 break
-        return out
 
-    def close(self) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
+    def close(self, out: list[StreamEvent]) -> None:
         for line in self._lines.close():
             self._line(line, out)
             if self.done:
                 break
-        return out
 
     def _line(self, data: bytes, out: list[StreamEvent]) -> None:
         line = decode_json(_LINE, data, self._provider, self._secrets)

@@ -175,14 +175,13 @@ class OpenAIParser:
         self._response_id = ""
         self._details: dict[int, dict[str, Any]] = {}
 
-    def feed(self, chunk: bytes) -> list[StreamEvent]:
-        return self._read(self._sse.feed(chunk))
+    def feed(self, chunk: bytes, out: list[StreamEvent]) -> None:
+        self._read(self._sse.feed(chunk), out)
 
-    def close(self) -> list[StreamEvent]:
-        return self._read(self._sse.close())
+    def close(self, out: list[StreamEvent]) -> None:
+        self._read(self._sse.close(), out)
 
-    def _read(self, messages: list[SSEMessage]) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
+    def _read(self, messages: list[SSEMessage], out: list[StreamEvent]) -> None:
         decode = _CHUNK.decode
         for message in messages:
             data = message.data
@@ -215,7 +214,6 @@ class OpenAIParser:
                     out.append(StreamEvent("content", text=delta.content))
                     continue
             self._chunk(chunk, data, out)
-        return out
 
     def _chunk(self, chunk: _Chunk, data: bytes, out: list[StreamEvent]) -> None:
         if chunk.error is not None:

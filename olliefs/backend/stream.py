@@ -44,6 +44,7 @@ from olliefs.backend.base import (
     ToolUnsupportedError,
     TransientError,
 )
+from olliefs.backend.transport import transport_for
 
 MAX_MESSAGE_CHARS = 300
 
@@ -285,29 +286,36 @@ class NDJSONSplitter:
 class Parser(Protocol):
     """A provider's incremental stream reader.
 
-    ``feed`` takes body bytes as they come and returns the events they complete. Once the
-    provider's terminator has been read ``done`` is true and the caller stops feeding.
-    ``close`` is called at the end of the body when ``done`` never became true: it returns
-    what is still pending and raises ``StreamDropError`` if the stream was cut short.
-    Malformed payloads raise ``BadResponseError``; errors the provider reports inside the
-    stream raise the typed error they stand for.
+    ``feed`` takes body bytes as they come and appends the events they complete to
+    ``out``. Once the provider's terminator has been read ``done`` is true and the caller
+    stops feeding. ``close`` is called at the end of the body when ``done`` never became
+    true: it appends what is still pending and raises ``StreamDropError`` if the stream
+    was cut short. Malformed payloads raise ``BadResponseError``; errors the provider
+    reports inside the stream raise the typed error they stand for.
+
+    Events go to a list the caller owns, not a returned one, because one read may hold
+    both deltas and the error that follows them: when ``feed`` raises, ``out`` still holds
+    every event read before the error, and the text the model wrote before it failed
+    reaches ``chat`` (and stays there, before the retry line) as it did when each event
+    came in a read of its own.
     """
 
     done: bool
 
-    def feed(self, chunk: bytes) -> list[StreamEvent]: ...
+    def feed(self, chunk: bytes, out: list[StreamEvent]) -> None: ...
 
-    def close(self) -> list[StreamEvent]: ...
+    def close(self, out: list[StreamEvent]) -> None: ...
 
 
 def parse_all(parser: Parser, chunks: Iterator[bytes] | Sequence[bytes]) -> list[StreamEvent]:
     """Run a parser over a whole recorded body (tests, benchmarks, SDK comparisons)."""
     out: list[StreamEvent] = []
     for chunk in chunks:
-        out += parser.feed(chunk)
+        parser.feed(chunk, out)
         if parser.done:
             return out
-    return out + parser.close()
+    parser.close(out)
+    return out
 
 
 def decode_json(
@@ -567,7 +575,7 @@ class HTTPBackend:
             headers=dict(headers or {}),
             timeout=httpx.Timeout(read_timeout, connect=10.0),
             limits=_LIMITS,
-            transport=transport,
+            transport=transport if transport is not None else transport_for(base_url),
         )
 
     # -- errors
@@ -628,12 +636,26 @@ class HTTPBackend:
     ) -> AsyncGenerator[StreamEvent, None]:
         with self._errors():
             async for chunk in chunks:
-                for event in coalesce(parser.feed(chunk)):
+                out: list[StreamEvent] = []
+                try:
+                    parser.feed(chunk, out)
+                except BackendError:
+                    for event in coalesce(out):  # what came before the error, first
+                        yield event
+                    raise
+                for event in coalesce(out):
                     yield event
                 if parser.done:
                     break
             else:
-                for event in coalesce(parser.close()):
+                out = []
+                try:
+                    parser.close(out)
+                except BackendError:
+                    for event in coalesce(out):
+                        yield event
+                    raise
+                for event in coalesce(out):
                     yield event
                 if not parser.done:
                     raise StreamDropError(f"{self.name}: the stream ended before its end marker")
