@@ -7,12 +7,15 @@ this module; it imports nothing of olliefs, so neither side has to know the othe
 ``trio.lowlevel.ParkingLot``: an append unparks every waiter at once, so a blocked
 ``cat stream`` is woken in the same scheduler tick as the token arrives, with no polling.
 
-Memory stays bounded however long a log grows: when the log has a backing file, every
-byte is written there as it is appended, only the newest ``window`` bytes stay in memory,
-and reads of older bytes are served from the file (``pread``; the page cache makes that
-as fast as memory for recently read parts). The backing file is a cache, not a record:
-the journal is the record, and restoring a session renders its logs again from it, so the
-file is never fsync'd.
+Memory stays bounded however long a log grows: when the log has a backing file, only the
+newest bytes stay in memory (``window`` to twice that), everything older is in the file,
+and reads of older bytes are served from there (``pread``; the page cache makes that as
+fast as memory for recently read parts). Bytes go to the file when they leave memory, a
+window's worth in one write, not as they are appended: a streamed reply is one append
+per network read to ``chat``, ``events`` and the root ``events``, and a write per append
+to each of their files was a tenth of what a token cost the daemon. The backing file is
+a cache, not a record: the journal is the record, and restoring a session renders its
+logs again from it, so the file is never fsync'd.
 """
 
 from __future__ import annotations
@@ -67,17 +70,10 @@ class GrowingLog:
     def append(self, data: bytes) -> None:
         if not data or self._discarded:
             return
-        if self._fd >= 0:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view) :]
-            self._buf += data
-            if len(self._buf) > 2 * self._window:
-                cut = len(self._buf) - self._window
-                del self._buf[:cut]
-                self._base += cut
-        else:
-            self._buf += data
+        self._buf += data
+        if self._fd >= 0 and len(self._buf) > 2 * self._window:
+            cut = len(self._buf) - self._window
+            self._spill(cut)
         self._size += len(data)
         self._last = data[-1]
         self.mtime = time.time()
@@ -85,13 +81,22 @@ class GrowingLog:
             _notify(self)
         self._lot.unpark_all()
 
+    def _spill(self, n: int) -> None:
+        """Move the oldest ``n`` bytes in memory to the backing file."""
+        data = bytes(self._buf[:n])
+        written = 0
+        while written < n:
+            written += os.pwrite(self._fd, data[written:], self._base + written)
+        del self._buf[:n]
+        self._base += n
+
     def read(self, off: int, size: int) -> bytes:
         if off >= self._size or size <= 0:
             return b""
         if off >= self._base:
             return bytes(self._buf[off - self._base : off - self._base + size])
-        # Older than the window: the backing file has every byte.
-        return os.pread(self._fd, min(size, self._size - off), off)
+        # Older than what memory holds: the backing file has it.
+        return os.pread(self._fd, min(size, self._base - off), off)
 
     def endswith_newline(self) -> bool:
         return self._last == 0x0A
@@ -113,6 +118,8 @@ class GrowingLog:
         self._discarded = True
         if self._fd < 0:
             return  # memory only: the bytes stay for those who hold the log
+        if self._holders:
+            self._spill(len(self._buf))  # they read on from the file
         self._buf = bytearray()
         self._base = self._size
         if self._path is not None:
