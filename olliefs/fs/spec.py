@@ -168,18 +168,18 @@ class SessionDir(StaticDir):
     """``s/<id>/``: unlink inside succeeds and does nothing, so ``rm -r`` reaches rmdir.
 
     Its name may be cached by the kernel (``entry_ttl``) although ``ctl rn`` and
-    ``ctl kill`` change it behind the kernel's back: both are announced in the session's
-    ``events`` log (a rename emits a line, a kill closes it), its ``entry_watch()``, at
-    which the frontend checks the name and invalidates it if it no longer leads here.
+    ``ctl kill`` change it behind the kernel's back: both wake the session's
+    ``presence`` cell, its ``entry_watch()``, at which the frontend checks the name and
+    invalidates it if it no longer leads here.
     """
 
     entry_ttl = CACHED_TTL
     fixed_attrs = True  # empty, born with the session, SESSION_SUBDIRS: a listing of
     # s/ with 1,000 sessions answers 1,000 of them
-    events: Watchable | None = None
+    presence: Watchable | None = None
 
     def entry_watch(self) -> Watchable | None:
-        return self.events
+        return self.presence
 
     def nlink(self) -> int:
         return 2 + len(SESSION_SUBDIRS)
@@ -250,7 +250,7 @@ class SessionsDir(Dir):
             lambda: not s.closed,
             born=s.created,
         )
-        d.events = s.events
+        d.presence = s.presence
         return d
 
     def nlink(self) -> int:

@@ -513,6 +513,7 @@ class Registry:
         s.id = new
         self.sessions[new] = s
         self.changed = time.time()
+        s.presence.wake()
         s.emit("info", f"renamed from {old} to {new}")
 
     def kill(self, s: Session) -> Awaitable[None] | None:

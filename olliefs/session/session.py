@@ -125,6 +125,10 @@ class Session:
         self.renderer = ChatRenderer(self.chat)
         self.events = GrowingLog(host.log_path(uid, "events"))
         self.state = StateCell()
+        # Woken when the session's name in s/ changes or goes (a rename, close): the
+        # tree's cue to check what the kernel caches of that name. (The events log said
+        # as much, but it changes at every streamed delta, and each change cost a lookup.)
+        self.presence = StateCell()
         self.prompt_prev = ""
         self.queue: deque[tuple[int, str]] = deque()
         self._queue_lot = trio.lowlevel.ParkingLot()
@@ -435,6 +439,7 @@ class Session:
         self.chat.close()
         self.events.close()
         self.state.wake()
+        self.presence.wake()
         self.queued.unpark_all()  # fifo.out readers: EOF
         # The journal is closed by the caller: in a worker thread on kill, at once on
         # shutdown (its close is an fsync).
