@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -51,16 +51,47 @@ def message_text(m: Message) -> str:
     return m.content + m.reasoning + "".join(c.name + c.arguments for c in m.tool_calls)
 
 
-@dataclass
 class History:
-    messages: list[Message] = field(default_factory=list)
-    totals: Totals = field(default_factory=Totals)
+    """An agent's messages, with what every request needs of them kept up to date.
+
+    A turn asks the history for its size (the compaction trigger, when the provider
+    reported none) and for the messages as the model sees them; both walked the whole
+    history, so a session's 500th turn paid for its first 499 again. Here the figures
+    follow the changes: an append adds one message's estimate, a cut drops a tail of
+    running sums, a replace starts over. ``messages`` is read freely but changed only
+    through ``append``, ``truncate``, ``replace`` and ``clear``; a change made to the
+    list behind the history's back is noticed by its length and recounted whole.
+    """
+
+    def __init__(self, messages: list[Message] | None = None) -> None:
+        self.messages: list[Message] = []
+        self.totals = Totals()
+        self._sums: list[int] = []  # _sums[i]: the estimate of messages[: i + 1]
+        self._cold: list[int] = []  # indices of cold tool results, ascending
+        self._last_assistant = -1
+        self._collapsed: dict[int, tuple[Message, Message]] = {}  # id -> (cold, collapsed)
+        if messages:
+            self.replace(messages)
 
     def append(self, m: Message) -> None:
+        self._fresh()
         self.messages.append(m)
+        self._count(len(self.messages) - 1, m)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` messages (a rewind)."""
+        self._fresh()
+        del self.messages[n:]
+        del self._sums[n:]
+        while self._cold and self._cold[-1] >= n:
+            self._cold.pop()
+        if self._last_assistant >= n:
+            self._last_assistant = next(
+                (i for i in range(n - 1, -1, -1) if self.messages[i].role == "assistant"), -1
+            )
 
     def clear(self) -> None:
-        self.messages.clear()
+        self.replace([])
 
     def replace(self, messages: list[Message]) -> None:
         """Install a compacted history. The provider-reported size of the last request
@@ -68,9 +99,11 @@ class History:
         one, ``estimate()`` is the size (else a 50% trigger would fire again at once)."""
         self.messages = list(messages)
         self.totals.last_context_tokens = 0
+        self._recount()
 
     def estimate(self) -> int:
-        return sum(estimate_tokens(message_text(m)) for m in self.messages)
+        self._fresh()
+        return self._sums[-1] if self._sums else 0
 
     def for_model(self) -> list[Message]:
         """The messages as the model gets them: cold tool results collapsed (SPEC 4).
@@ -78,17 +111,40 @@ class History:
         A cold result (``file_read``, ``memory_recall``) is shown verbatim to the model for
         the one request that follows it; once the model has answered after it, it is
         replaced by a one-line summary in every later request. The history itself keeps
-        the full text (``context`` shows it, compaction may use it).
+        the full text (``context`` shows it, compaction may use it). A collapsed message
+        is made once and then the same object every time, so what a backend derives from
+        a message (its encoded wire form) is derived once.
         """
-        last_assistant = max(
-            (i for i, m in enumerate(self.messages) if m.role == "assistant"), default=-1
-        )
-        out: list[Message] = []
-        for i, m in enumerate(self.messages):
-            if m.role == "tool" and m.tier == "cold" and i < last_assistant:
-                m = msgspec.structs.replace(m, content=collapse(m))
-            out.append(m)
+        self._fresh()
+        out = list(self.messages)
+        for i in self._cold:
+            if i >= self._last_assistant:
+                break
+            m = out[i]
+            known = self._collapsed.get(id(m))
+            if known is None or known[0] is not m:
+                known = (m, msgspec.structs.replace(m, content=collapse(m)))
+                self._collapsed[id(m)] = known
+            out[i] = known[1]
         return out
+
+    def _count(self, i: int, m: Message) -> None:
+        self._sums.append((self._sums[-1] if self._sums else 0) + estimate_tokens(message_text(m)))
+        if m.role == "assistant":
+            self._last_assistant = i
+        elif m.role == "tool" and m.tier == "cold":
+            self._cold.append(i)
+
+    def _recount(self) -> None:
+        self._sums, self._cold, self._last_assistant = [], [], -1
+        live = {id(m) for m in self.messages}
+        self._collapsed = {k: v for k, v in self._collapsed.items() if k in live}
+        for i, m in enumerate(self.messages):
+            self._count(i, m)
+
+    def _fresh(self) -> None:
+        if len(self._sums) != len(self.messages):
+            self._recount()
 
 
 def collapse(m: Message) -> str:

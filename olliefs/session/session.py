@@ -425,7 +425,7 @@ class Session:
     def rewind_to(self, n: int, branch: int) -> None:
         """Drop the last ``n`` turns from the history (their branch is already on disk)."""
         cut = self.turn_starts[len(self.turn_starts) - n]
-        del self.agent.history.messages[cut:]
+        self.agent.history.truncate(cut)
         del self.turn_starts[len(self.turn_starts) - n :]
         self.record(persist.Rewind(n, branch))
         self.emit("info", f"rewound {n} turn{'' if n == 1 else 's'} (kept in branches/{branch})")
@@ -675,7 +675,7 @@ class Session:
                         # is rebuilt from what the journal says it was.
                         lost.append((rec.branch, list(history.messages), len(self.chat)))
                     cut = self.turn_starts[len(self.turn_starts) - rec.n]
-                    del history.messages[cut:]
+                    history.truncate(cut)
                     del self.turn_starts[len(self.turn_starts) - rec.n :]
                 elif isinstance(rec, persist.Tools):
                     self.agent.link.set_wanted(rec.names)
