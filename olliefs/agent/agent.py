@@ -116,6 +116,7 @@ class Agent:
         self.link = link
         self.retry = retry
         self.history = History()
+        self._system = Message("system", "")
         self.max_steps = 50
         self.context_length = context_length
         self.turn_cost = 0.0
@@ -168,7 +169,12 @@ class Agent:
         self.turn_cost += cost
 
     def request_messages(self) -> list[Message]:
-        return [Message("system", self.systemprompt_text()), *self.history.for_model()]
+        text = self.systemprompt_text()
+        if self._system.content != text:
+            # Kept while its text is the same: a request's messages then begin with the
+            # previous request's, as the same objects (``WireCache``).
+            self._system = Message("system", text)
+        return [self._system, *self.history.for_model()]
 
     async def checkpoint(self) -> None:
         """After each tool round: the journal reaches the disk (SPEC 4 persistence)."""

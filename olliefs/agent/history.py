@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from olliefs.backend.base import Message, Usage
+from olliefs.backend.base import Message, Usage, WireCache
 
 
 @dataclass
@@ -70,6 +70,7 @@ class History:
         self._cold: list[int] = []  # indices of cold tool results, ascending
         self._last_assistant = -1
         self._collapsed: dict[int, tuple[Message, Message]] = {}  # id -> (cold, collapsed)
+        self.wire = WireCache()  # its encoded messages, for the backend (``Backend.stream``)
         if messages:
             self.replace(messages)
 

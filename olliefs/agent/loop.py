@@ -229,6 +229,7 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                 host.request_messages(),
                 host.link.tools if tools else [],
                 host.params(),
+                wire=host.history.wire,
             ) as events:
                 async for ev in events:
                     if ev.kind == "content":

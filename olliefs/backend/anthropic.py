@@ -43,6 +43,7 @@ from olliefs.backend.base import (
     Tool,
     ToolCall,
     Usage,
+    WireCache,
 )
 from olliefs.backend.openai import normalize_base_url
 from olliefs.backend.stream import (
@@ -446,6 +447,8 @@ class AnthropicBackend(HTTPBackend):
         messages: list[Message],
         tools: list[Tool],
         params: GenerationParams,
+        *,
+        wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         body = msgspec.json.encode(request_body(model, messages, tools, params))
         request = self._client.build_request(

@@ -40,6 +40,7 @@ from olliefs.backend.base import (
     Tool,
     ToolCall,
     Usage,
+    WireCache,
 )
 from olliefs.backend.openai import parse_base_url
 from olliefs.backend.stream import HTTPBackend, Secrets, SSEDecoder, decode_json, http_error
@@ -379,6 +380,8 @@ class GeminiBackend(HTTPBackend):
         messages: list[Message],
         tools: list[Tool],
         params: GenerationParams,
+        *,
+        wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         body = msgspec.json.encode(request_body(messages, tools, params))
         name = model.removeprefix("models/")

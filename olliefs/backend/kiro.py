@@ -50,6 +50,7 @@ from olliefs.backend.base import (
     StreamEvent,
     Tool,
     ToolCall,
+    WireCache,
 )
 from olliefs.backend.openai import parse_base_url
 from olliefs.backend.stream import HTTPBackend, Secrets, decode_json, http_error
@@ -452,6 +453,8 @@ class KiroBackend(HTTPBackend):
         messages: list[Message],
         tools: list[Tool],
         params: GenerationParams,
+        *,
+        wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         state = conversation(model, messages, tools, str(uuid.uuid4()))
         body: dict[str, Any] = {"conversationState": state}

@@ -39,9 +39,16 @@ from olliefs.backend.base import (
     Tool,
     ToolCall,
     Usage,
+    WireCache,
 )
 from olliefs.backend.openai import function_tools, parse_base_url
-from olliefs.backend.stream import HTTPBackend, NDJSONSplitter, Secrets, decode_json, http_error
+from olliefs.backend.stream import (
+    HTTPBackend,
+    NDJSONSplitter,
+    Secrets,
+    decode_json,
+    http_error,
+)
 
 STREAM_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-seq")
 DEFAULT_CONTEXT = 4096  # what an Ollama server gives a model unless told otherwise
@@ -171,10 +178,13 @@ def request_body(
     tools: list[Tool],
     params: GenerationParams,
     num_ctx: int | None = None,
+    wire: WireCache | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "messages": [wire_message(m) for m in messages],
+        "messages": (
+            wire.encode(messages, wire_message) if wire else [wire_message(m) for m in messages]
+        ),
         "stream": True,
     }
     if tools:
@@ -268,12 +278,13 @@ class OllamaBackend(HTTPBackend):
         messages: list[Message],
         tools: list[Tool],
         params: GenerationParams,
+        *,
+        wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
-        body = request_body(model, messages, tools, params, self._num_ctx)
-        request = self._client.build_request(
-            "POST",
+        body = request_body(model, messages, tools, params, self._num_ctx, wire)
+        request = self._post(
             "chat",
-            content=msgspec.json.encode(body),
+            msgspec.json.encode(body),
             headers={"content-type": "application/json"},
         )
         parser = OllamaParser(self.name, self._secrets)

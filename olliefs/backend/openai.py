@@ -38,6 +38,7 @@ from olliefs.backend.base import (
     Tool,
     ToolCall,
     Usage,
+    WireCache,
 )
 from olliefs.backend.stream import (
     HTTPBackend,
@@ -361,10 +362,13 @@ def request_body(
     params: GenerationParams,
     *,
     openrouter: bool = False,
+    wire: WireCache | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "messages": [wire_message(m) for m in messages],
+        "messages": (
+            wire.encode(messages, wire_message) if wire else [wire_message(m) for m in messages]
+        ),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -484,12 +488,12 @@ class OpenAIBackend(HTTPBackend):
         messages: list[Message],
         tools: list[Tool],
         params: GenerationParams,
+        *,
+        wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
-        body = request_body(model, messages, tools, params, openrouter=self._openrouter)
+        body = request_body(model, messages, tools, params, openrouter=self._openrouter, wire=wire)
         headers = {**_JSON_HEADERS, **(await self._request_headers())}
-        request = self._client.build_request(
-            "POST", self._url(self.chat_path), content=msgspec.json.encode(body), headers=headers
-        )
+        request = self._post(self._url(self.chat_path), msgspec.json.encode(body), headers)
         parser = OpenAIParser(self.name, self._secrets)
         async with self._stream(request, parser, stream_types=STREAM_TYPES) as events:
             yield events

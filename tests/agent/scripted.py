@@ -19,6 +19,7 @@ from olliefs.backend.base import (
     StreamEvent,
     Tool,
     Usage,
+    WireCache,
 )
 
 
@@ -67,6 +68,8 @@ class ScriptedBackend:
         messages: list[Message],
         tools: list[Tool],
         params: GenerationParams,
+        *,
+        wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         self.requests.append(Request(model, list(messages), list(tools), params))
         if not self.replies:

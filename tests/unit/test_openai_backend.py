@@ -708,7 +708,7 @@ async def test_abandoned_stream_leaves_nothing_behind() -> None:
         backend = await Loopback(respond).serve(nursery)
         async with backend.stream("m", USER, [], NO_PARAMS) as events:
             async for event in events:
-                assert event.text == "a"
+                assert set(event.text) == {"a"}  # one or more deltas, merged if read together
                 break
         await backend.aclose()
         gc.collect()  # an unclosed async generator would warn here (an error under -W error)
