@@ -16,10 +16,17 @@ per network read to ``chat``, ``events`` and the root ``events``, and a write pe
 to each of their files was a tenth of what a token cost the daemon. The backing file is
 a cache, not a record: the journal is the record, and restoring a session renders its
 logs again from it, so the file is never fsync'd.
+
+In memory a log is a list of the byte strings appended (small ones merged), not one
+buffer: an append keeps the caller's bytes as they are (a bytearray copied every append,
+and moved its whole window after each spill), a spill is one ``pwritev`` of whole
+pieces, and a reader at the end, who asks for what was appended since its last read,
+is most often handed a piece as it is.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 import weakref
@@ -29,20 +36,23 @@ from pathlib import Path
 import trio
 
 DEFAULT_WINDOW = 256 * 1024
+MERGE = 4096  # appends are merged into the last piece while it is smaller than this
 
 
 class GrowingLog:
     """Append-only bytes with a broadcast wake-up for readers waiting at the end."""
 
     def __init__(self, path: Path | None = None, window: int = DEFAULT_WINDOW) -> None:
-        self._buf = bytearray()
-        self._base = 0  # offset in the log of _buf[0]
+        self._pieces: list[bytes] = []  # the bytes in memory, oldest first
+        self._starts: list[int] = []  # offset in the log of each piece
+        self._base = 0  # offset in the log of the first byte in memory
         self._size = 0
         self._last = 0  # the last byte appended (0: none yet)
         self._lot = trio.lowlevel.ParkingLot()
         self._fd = -1
         self._path = path
         self._window = window
+        self._merge = min(MERGE, window)
         self._holders = 0  # open handles reading the log
         self._finalizer: weakref.finalize[[int], None] | None = None
         if path is not None:
@@ -70,33 +80,70 @@ class GrowingLog:
     def append(self, data: bytes) -> None:
         if not data or self._discarded:
             return
-        self._buf += data
-        if self._fd >= 0 and len(self._buf) > 2 * self._window:
-            cut = len(self._buf) - self._window
-            self._spill(cut)
+        pieces = self._pieces
+        if pieces and len(pieces[-1]) < self._merge and len(data) < self._merge:
+            pieces[-1] += data
+        else:
+            pieces.append(bytes(data))
+            self._starts.append(self._size)
         self._size += len(data)
+        if self._fd >= 0 and self._size - self._base > 2 * self._window:
+            self._spill(self._size - self._window)
         self._last = data[-1]
         self.mtime = time.time()
         if self.observers:
             _notify(self)
         self._lot.unpark_all()
 
-    def _spill(self, n: int) -> None:
-        """Move the oldest ``n`` bytes in memory to the backing file."""
-        data = bytes(self._buf[:n])
-        written = 0
-        while written < n:
-            written += os.pwrite(self._fd, data[written:], self._base + written)
-        del self._buf[:n]
-        self._base += n
+    def _spill(self, upto: int) -> None:
+        """Move the pieces that end at or before ``upto`` to the backing file."""
+        if upto >= self._size:
+            k, end = len(self._pieces), self._size
+        else:
+            k = bisect.bisect_right(self._starts, upto) - 1  # pieces before k: wholly old
+            if k <= 0:
+                return
+            end = self._starts[k]
+        out, at = self._pieces[:k], self._base
+        while at < end:  # pwritev may write less than asked: go on from where it stopped
+            done = os.pwritev(self._fd, out, at)
+            at += done
+            while out and done >= len(out[0]):
+                done -= len(out[0])
+                out.pop(0)
+            if done:
+                out[0] = out[0][done:]
+        del self._pieces[:k]
+        del self._starts[:k]
+        self._base = end
 
     def read(self, off: int, size: int) -> bytes:
+        """``size`` bytes from ``off``, fewer only at the end: a short read in a file
+        without direct_io is taken by the kernel as its end."""
         if off >= self._size or size <= 0:
             return b""
-        if off >= self._base:
-            return bytes(self._buf[off - self._base : off - self._base + size])
-        # Older than what memory holds: the backing file has it.
-        return os.pread(self._fd, min(size, self._base - off), off)
+        if off < self._base:  # older than what memory holds: the backing file has it
+            old = b""
+            while off + len(old) < self._base and len(old) < size:
+                more = os.pread(self._fd, min(size, self._base - off) - len(old), off + len(old))
+                if not more:
+                    break
+                old += more
+            return old + self.read(off + len(old), size - len(old)) if len(old) < size else old
+        i = bisect.bisect_right(self._starts, off) - 1
+        piece, rel = self._pieces[i], off - self._starts[i]
+        if rel == 0 and size >= len(piece) and i == len(self._pieces) - 1:
+            return piece  # a reader at the end, given what came since: no copy
+        if rel + size <= len(piece):
+            return piece[rel : rel + size]
+        out = [piece[rel:]]
+        got = len(out[0])
+        for piece in self._pieces[i + 1 :]:
+            if got >= size:
+                break
+            out.append(piece[: size - got])
+            got += len(out[-1])
+        return b"".join(out)
 
     def endswith_newline(self) -> bool:
         return self._last == 0x0A
@@ -119,8 +166,8 @@ class GrowingLog:
         if self._fd < 0:
             return  # memory only: the bytes stay for those who hold the log
         if self._holders:
-            self._spill(len(self._buf))  # they read on from the file
-        self._buf = bytearray()
+            self._spill(self._size)  # they read on from the file
+        self._pieces, self._starts = [], []
         self._base = self._size
         if self._path is not None:
             try:

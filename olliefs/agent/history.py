@@ -43,8 +43,10 @@ class Totals:
 
 
 def estimate_tokens(text: str) -> int:
-    """The fallback estimate of SPEC 4: UTF-8 bytes / 4."""
-    return (len(text.encode()) + 3) // 4
+    """The fallback estimate of SPEC 4: UTF-8 bytes / 4. (An ASCII text's length is its
+    byte count, and Python knows a str is ASCII without looking: a 10 MB reply is not
+    encoded just to be counted.)"""
+    return ((len(text) if text.isascii() else len(text.encode())) + 3) // 4
 
 
 def message_text(m: Message) -> str:

@@ -185,7 +185,7 @@ class SSEDecoder:
         ):
             parts.append(chunk)  # no event ends in here: keep it for later
             return []
-        buf = b"".join(parts) + chunk if parts else chunk
+        buf = b"".join([*parts, chunk]) if parts else chunk
         held = False
         if b"\r" in buf:
             held = buf.endswith(b"\r")  # maybe half of a CRLF: decided by the next read
@@ -200,13 +200,13 @@ class SSEDecoder:
         n = len(blocks)
         if n > 1 and buf[:6] == b"data: ":
             # The shape of nearly every provider's stream: each event one ``data:`` line.
-            # Told from the counts (C code, no loop): the complete part holds exactly two
-            # line ends per event, so its only ``\n`` are the blank-line separators, and
-            # every separator is followed by ``data: ``. Then each block is ``data: X``.
-            # (A payload that holds the text "\n\ndata: " escaped as JSON has no raw line
-            # end, so counts that do not match only send the read to the general path.)
+            # Told from one count (C code): the complete part holds exactly two line ends
+            # per event, so its only ``\n`` are the blank-line separators and no block has
+            # a line end inside; then each block that starts with ``data: `` is
+            # ``data: X``. (A JSON payload never holds a raw line end, so a count that does
+            # not match only sends the read to the general path.)
             done = len(buf) - len(rest) + held  # a held CR is in ``rest``, not in ``buf``
-            if buf.count(b"\n", 0, done) == 2 * n and buf.count(b"\n\ndata: ", 0, done) == n - 1:
+            if buf.count(b"\n", 0, done) == 2 * n and all(b[:6] == b"data: " for b in blocks):
                 event_id = self._id
                 return [SSEMessage(block[6:], "", event_id) for block in blocks]
         out: list[SSEMessage] = []

@@ -170,6 +170,10 @@ class StreamedText:
         self._content: list[str] = []
         self._reasoning: list[str] = []
 
+    def saw(self, ev: Event) -> None:
+        """``ev`` was journaled (by ``Journal.append_event``, which bypasses ``pack``)."""
+        self._event(ev)
+
     def _event(self, ev: Event) -> None:
         if ev.role == "assistant":
             self._content.append(ev.content)
@@ -190,8 +194,8 @@ class StreamedText:
                 not rec.streamed
                 and m.role == "assistant"
                 and (self._content or self._reasoning)
-                and m.content == "".join(self._content)
-                and m.reasoning == "".join(self._reasoning)
+                and _concatenation(m.content, self._content)
+                and _concatenation(m.reasoning, self._reasoning)
             ):
                 rec = Msg(msgspec.structs.replace(m, content="", reasoning=""), streamed=True)
             self._reset()
@@ -209,8 +213,23 @@ class StreamedText:
         return rec
 
 
+def _concatenation(text: str, parts: list[str]) -> bool:
+    """``text == "".join(parts)``, without making the join (a reply can be 10 MB)."""
+    if len(text) != sum(map(len, parts)):
+        return False
+    pos = 0
+    for part in parts:
+        if not text.startswith(part, pos):
+            return False
+        pos += len(part)
+    return True
+
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
+# An ``ev`` record is its event's JSON line in an envelope: ``event_record`` builds it from
+# the line the logs get anyway, instead of encoding (and escaping) the text a second time.
+_EV_HEAD = b'{"type":"ev","ev":'
 
 
 class Journal:
@@ -229,9 +248,17 @@ class Journal:
         self._lock = threading.Lock()  # sync and close may run in different threads
 
     def append(self, rec: Record) -> None:
+        self._write(_encoder.encode(rec) + b"\n")
+
+    def append_event(self, line: bytes) -> None:
+        """An ``Ev`` record of the event whose ``encode_line`` is ``line``."""
+        with memoryview(line) as view, view[:-1] as event:
+            self._write(b"".join((_EV_HEAD, event, b"}\n")))
+
+    def _write(self, data: bytes) -> None:
         if self._fd < 0:
             return  # closed: the session is gone, and what it still says goes nowhere
-        os.write(self._fd, _encoder.encode(rec) + b"\n")
+        os.write(self._fd, data)
         self._appended += 1
 
     @property

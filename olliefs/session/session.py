@@ -214,12 +214,14 @@ class Session:
         ``msg`` record when these events already hold it (``persist.StreamedText``).
         """
         ev = Event(time.time(), self.id, self.uid, role, name, content, response_id)
-        self.record(persist.Ev(ev))
-        self._show(ev)
-
-    def _show(self, ev: Event) -> None:
-        self.renderer.render(ev)
         line = encode_line(ev)
+        if not self._replaying:
+            self._streamed.saw(ev)
+            self.journal.append_event(line)
+        self._show(ev, line)
+
+    def _show(self, ev: Event, line: bytes) -> None:
+        self.renderer.render(ev)
         self.events.append(line)
         self.host.events.append(line)
 
@@ -639,7 +641,7 @@ class Session:
                     ended.add(rec.seq)
                     self.renderer.end_turn()
                 elif isinstance(rec, persist.Ev):
-                    self._show(rec.ev)
+                    self._show(rec.ev, encode_line(rec.ev))
                     if rec.ev.role == "state":
                         self.state.set(rec.ev.content)
                 elif isinstance(rec, persist.Msg):

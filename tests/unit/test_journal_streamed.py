@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from olliefs.agent.events import Event
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from olliefs.agent.events import Event, encode_line
 from olliefs.backend.base import Message
 from olliefs.session import persist
 from olliefs.session.persist import Ev, Msg, Prompt, Record, StreamedText
@@ -78,3 +82,32 @@ def test_old_journal_lines_load_as_before(tmp_path: Path) -> None:
     assert persist._encoder.encode(Msg(Message("user", "q"))) == (
         b'{"type":"msg","msg":{"role":"user","content":"q"}}'
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    content=st.text(max_size=200),
+    name=st.text(max_size=10),
+    role=st.sampled_from(["assistant", "reasoning", "user", "error"]),
+)
+def test_event_record_from_the_line_is_the_encoded_record(
+    tmp_path_factory: pytest.TempPathFactory, content: str, name: str, role: str
+) -> None:
+    """``append_event`` wraps the event's log line instead of encoding it again: the
+    journal gets the bytes ``append(Ev(ev))`` would have written."""
+    d = tmp_path_factory.mktemp("j")
+    ev = Event(1712.5, "s", "a", role, name, content, "r")  # type: ignore[arg-type]
+    a, b = persist.Journal(d / "a"), persist.Journal(d / "b")
+    a.append(persist.Ev(ev))
+    b.append_event(encode_line(ev))
+    a.close()
+    b.close()
+    assert (d / "a").read_bytes() == (d / "b").read_bytes()
+    assert persist.read_journal(d / "b") == [persist.Ev(ev)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.text(max_size=8), max_size=6), text=st.text(max_size=30))
+def test_concatenation_without_joining(parts: list[str], text: str) -> None:
+    assert persist._concatenation(text, parts) == (text == "".join(parts))
+    assert persist._concatenation("".join(parts), parts)
