@@ -192,23 +192,16 @@ class SSEDecoder:
             if held:
                 buf = buf[:-1]
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        elif buf[:6] == b"data: ":
+            fast = self._data_lines(buf)
+            if fast is not None:
+                event_id = self._id
+                return [SSEMessage(data, "", event_id) for data in fast]
         blocks = buf.split(b"\n\n")
         rest = blocks.pop()
         if held:
             rest += b"\r"
         self._parts = [rest] if rest else []
-        n = len(blocks)
-        if n > 1 and buf[:6] == b"data: ":
-            # The shape of nearly every provider's stream: each event one ``data:`` line.
-            # Told from one count (C code): the complete part holds exactly two line ends
-            # per event, so its only ``\n`` are the blank-line separators and no block has
-            # a line end inside; then each block that starts with ``data: `` is
-            # ``data: X``. (A JSON payload never holds a raw line end, so a count that does
-            # not match only sends the read to the general path.)
-            done = len(buf) - len(rest) + held  # a held CR is in ``rest``, not in ``buf``
-            if buf.count(b"\n", 0, done) == 2 * n and all(b[:6] == b"data: " for b in blocks):
-                event_id = self._id
-                return [SSEMessage(block[6:], "", event_id) for block in blocks]
         out: list[SSEMessage] = []
         append, last_id, names = out.append, self._id, self._names
         for block in blocks:
@@ -230,6 +223,47 @@ class SSEDecoder:
                     continue
             self._block(block, out)
             last_id = self._id
+        return out
+
+    def feed_data(self, chunk: bytes) -> list[bytes] | None:
+        """The payloads of the events ``chunk`` completes, when every one of them is a
+        single ``data:`` line (the shape of nearly every provider's stream, and what a
+        parser can then decode in one call); None, with nothing consumed, when the
+        read holds anything else: then ``feed(chunk)`` reads it. Each payload's event
+        has no ``event:`` name and the id ``last_id``."""
+        if not self._started:
+            return None
+        parts = self._parts
+        if b"\n" not in chunk and b"\r" not in chunk:
+            if chunk:  # no event can end in here: kept, not joined (a long one)
+                parts.append(chunk)
+            return []
+        buf = b"".join([*parts, chunk]) if parts else chunk
+        if b"\r" in buf or buf[:6] != b"data: ":
+            return None
+        return self._data_lines(buf)
+
+    @property
+    def last_id(self) -> str:
+        return self._id
+
+    def _data_lines(self, buf: bytes) -> list[bytes] | None:
+        """The payloads of ``buf``'s events, read at memchr speed, when each is one
+        ``data: X`` line and its blank line; None: the read holds something else, for
+        the general path. (A JSON payload holds no raw line end, so each ``\n`` found
+        is a line end; a line end not followed by another one, or a line that is not
+        ``data:``, is the general path's business.) What follows the last event waits
+        for the next read."""
+        out: list[bytes] = []
+        find, pos, end = buf.find, 0, len(buf)
+        while (nl := find(b"\n", pos)) >= 0:
+            if nl + 1 == end:
+                break  # the blank line may be in the next read
+            if buf[nl + 1] != 0x0A or buf[pos : pos + 6] != b"data: ":
+                return None
+            out.append(buf[pos + 6 : nl])
+            pos = nl + 2
+        self._parts = [buf[pos:]] if pos < end else []
         return out
 
     def close(self) -> list[SSEMessage]:

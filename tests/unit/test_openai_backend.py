@@ -35,8 +35,9 @@ from olliefs.backend.base import (
     TransientError,
     Usage,
 )
-from olliefs.backend.openai import OpenAIBackend, normalize_base_url
+from olliefs.backend.openai import OpenAIBackend, OpenAIParser, normalize_base_url
 from olliefs.backend.pool import backend_names, make_backend
+from olliefs.backend.stream import SSEDecoder
 
 KEY = "sk-test-0123456789abcdef"
 USER = [Message("user", "hi")]
@@ -713,3 +714,59 @@ async def test_abandoned_stream_leaves_nothing_behind() -> None:
         await backend.aclose()
         gc.collect()  # an unclosed async generator would warn here (an error under -W error)
         nursery.cancel_scope.cancel()
+
+
+# --- a read's payloads decoded as one array -------------------------------------------------
+
+_items = st.one_of(
+    st.builds(lambda t: delta(content=t), st.text(min_size=1, max_size=8)),
+    st.builds(lambda t: delta(reasoning_content=t), st.text(min_size=1, max_size=5)),
+    st.builds(
+        lambda i, a: delta(tool_calls=[{"index": i, "id": f"c{i}", "function": {"arguments": a}}]),
+        st.integers(0, 1),
+        st.text(max_size=4),
+    ),
+    st.just(finish("stop")),
+    st.just({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}),
+    st.just({"error": {"message": "overloaded", "code": 529}}),
+    st.sampled_from(["not json", "[DONE]", "", "{}", '{"choices": 3}']),
+)
+
+
+class _OneByOne(SSEDecoder):
+    """Never offers a read's payloads as a batch: the parser reads each one by itself."""
+
+    def feed_data(self, chunk: bytes) -> None:
+        return None
+
+
+def _outcome(body: bytes, cuts: list[int], one_by_one: bool) -> tuple[list[StreamEvent], str]:
+    parser = OpenAIParser()
+    if one_by_one:
+        parser._sse = _OneByOne()
+    points = sorted({c % (len(body) + 1) for c in cuts})
+    out: list[StreamEvent] = []
+    try:
+        for a, b in zip([0, *points], [*points, len(body)], strict=True):
+            parser.feed(body[a:b], out)
+            if parser.done:
+                break
+        else:
+            parser.close(out)
+    except BackendError as err:
+        return out, f"{type(err).__name__}: {err}"
+    return out, ""
+
+
+@given(
+    items=st.lists(_items, max_size=12),
+    cuts=st.lists(st.integers(min_value=0), max_size=6),
+    done=st.booleans(),
+)
+def test_batched_payloads_read_as_one_at_a_time(
+    items: list[dict[str, Any] | str], cuts: list[int], done: bool
+) -> None:
+    """The array path gives the same events, the same error and the events before it as
+    the payload-by-payload path, however the bytes are split into reads."""
+    body = sse(*items, done=done)
+    assert _outcome(body, cuts, False) == _outcome(body, cuts, True)
