@@ -262,11 +262,14 @@ class _Connection:
         """Closed by the server while idle (or holding bytes nobody asked for)."""
         if self.buf:
             return True
+        # poll, not select: a daemon with a thousand blocked readers has descriptors
+        # past select's limit of 1024.
+        poller = select.poll()
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
+            poller.register(self.sock, select.POLLIN)
+            return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
-        return bool(readable)
 
     async def receive(self, timeout: float) -> bytes:
         """The next bytes (b"" at the end); ``trio.TooSlowError`` after ``timeout``

@@ -9,6 +9,8 @@ use it.
 from __future__ import annotations
 
 import gzip
+import os
+import resource
 import shutil
 import socket
 import ssl
@@ -345,3 +347,31 @@ def test_proxy_settings_choose_httpx_transport(monkeypatch: pytest.MonkeyPatch) 
     assert isinstance(transport_for("http://127.0.0.1:11434"), LeanTransport)  # not https
     monkeypatch.setenv("NO_PROXY", "api.openai.com")
     assert isinstance(transport_for("https://api.openai.com/v1"), LeanTransport)
+
+
+async def test_kept_connection_reused_above_descriptor_1024(
+    serve: Callable[..., RawServer],
+) -> None:
+    """A daemon with a thousand blocked readers holds descriptors past 1024, where
+    select() cannot look: a kept connection there is still checked and reused."""
+
+    def handler(conn: socket.socket, head: bytes, i: int, n: int) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    srv = serve(handler)
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(reason=f"the descriptor limit ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        t = LeanTransport()
+        async with client(t) as c:
+            for _ in range(3):
+                assert (await c.get(srv.url)).content == b"ok"
+        assert t.connections_made == 1
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
