@@ -40,6 +40,8 @@ HERE = Path(__file__).resolve().parent
 SESSIONS = int(os.environ.get("PERF_SESSIONS", "1000"))
 REPEAT = int(os.environ.get("PERF_REPEAT", "3000"))  # per small-operation figure
 READERS = int(os.environ.get("PERF_READERS", "1000"))  # blocked readers for the idle figure
+# Which parts to run: "fs" (this file's rows), "stream" (bench/perf_stream.py's), or both.
+PARTS = set(os.environ.get("PERF_PARTS", "fs,stream").split(","))
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -302,9 +304,11 @@ def fs_rows(tmp: Path) -> list[Row]:
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory() as t:
-        rows = fs_rows(Path(t))
-    if (HERE / "perf_stream.py").exists():
+    rows: list[Row] = []
+    if "fs" in PARTS:
+        with tempfile.TemporaryDirectory() as t:
+            rows += fs_rows(Path(t))
+    if "stream" in PARTS and (HERE / "perf_stream.py").exists():
         spec_ = importlib.util.spec_from_file_location("perf_stream", HERE / "perf_stream.py")
         assert spec_ is not None and spec_.loader is not None
         mod = importlib.util.module_from_spec(spec_)

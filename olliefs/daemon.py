@@ -70,15 +70,32 @@ def lock_state(paths: Paths) -> int:
 
 
 def check_pyfuse3() -> None:
-    """Refuse to serve with a pyfuse3 that drops FUSE_INTERRUPT: a reader blocked on
-    ``stream``, ``events`` or ``statewait`` could then not be killed, SIGKILL included
-    (``olliefs.fs.interrupt``)."""
-    if not hasattr(pyfuse3, "current_request"):
-        raise DaemonError(
-            f"pyfuse3 {pyfuse3.__version__} lacks the interrupt patch (blocked readers could"
-            f" not be killed); build it from the olliefs source tree:"
-            f" bash .ci/pyfuse3/build.sh {sys.prefix}"
+    """Refuse to serve with a pyfuse3 built without olliefs's patches (.ci/pyfuse3/): one
+    that drops FUSE_INTERRUPT would leave a reader blocked on ``stream``, ``events`` or
+    ``statewait`` unkillable, SIGKILL included (``olliefs.fs.interrupt``); and the
+    frontend answers listings with ``readdir_reply_many`` and read-only opens with
+    ``noflush`` (fast.patch)."""
+    missing = [
+        what
+        for what, ok in (
+            ("the interrupt patch (blocked readers could not be killed)", _has_interrupt()),
+            ("the fast patch (one reader loop, noflush, many dirents)", _has_fast()),
         )
+        if not ok
+    ]
+    if missing:
+        raise DaemonError(
+            f"pyfuse3 {pyfuse3.__version__} lacks {' and '.join(missing)}; build it from"
+            f" the olliefs source tree: bash .ci/pyfuse3/build.sh {sys.prefix}"
+        )
+
+
+def _has_interrupt() -> bool:
+    return hasattr(pyfuse3, "current_request")
+
+
+def _has_fast() -> bool:
+    return hasattr(pyfuse3, "readdir_reply_many") and hasattr(pyfuse3.FileInfo(), "noflush")
 
 
 async def serve(

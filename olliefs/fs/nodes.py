@@ -227,6 +227,13 @@ class Dir(Node):
     def entries(self) -> Iterable[tuple[str, Node]]:
         raise NotImplementedError
 
+    def listing_version(self) -> Hashable | None:
+        """A value that changes whenever ``entries()`` would give other names or nodes,
+        or a node listed would stop being ``valid()``; None: no such value (the frontend
+        lists the directory afresh at each opendir and checks each entry as it sends it).
+        """
+        return None
+
     def lookup(self, name: str) -> Node | None:
         for n, node in self.entries():
             if n == name:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from pathlib import Path
 
 from olliefs.errors import NotFound, OllieError
@@ -223,7 +223,14 @@ class SessionsDir(Dir):
             "new": Control(
                 ("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666, refused=reg.refused
             ),
-            "idx": Text(("s", "idx"), reg.idx_text, stamp=root_stamp(self.stamps, "s/idx")),
+            # Every change of a line of idx (a session's state, cwd, backend or model,
+            # a session made, renamed or killed) is an event in the root events log.
+            "idx": Text(
+                ("s", "idx"),
+                reg.idx_text,
+                stamp=root_stamp(self.stamps, "s/idx"),
+                source=reg.events,
+            ),
         }
 
     def _session_dir(self, s: Session) -> SessionDir:
@@ -255,6 +262,11 @@ class SessionsDir(Dir):
 
     def nlink(self) -> int:
         return 2 + len(self.reg.sessions)
+
+    def listing_version(self) -> Hashable:
+        # Sessions come, go and are renamed only through the registry, which counts it;
+        # a session directory is valid exactly while its session is registered.
+        return self.reg.generation
 
     def mtime(self) -> float:
         return self.reg.changed

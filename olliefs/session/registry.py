@@ -78,6 +78,9 @@ class Registry:
         self.max_depth = _int(settings.get("OLLIE_SUBAGENT_DEPTH"), 3)
         self.last_error = ""  # the root ``err`` file: last refused write outside a session
         self.changed = time.time()  # when s/ last gained or lost a session
+        # Counts every change of which sessions s/ lists under which names (made,
+        # renamed, killed, closed): the tree reuses a listing of s/ while it holds.
+        self.generation = 0
         self.logs_dir = paths.state / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.events = GrowingLog(self.logs_dir / "events")
@@ -500,8 +503,12 @@ class Registry:
 
     def _start(self, s: Session) -> None:
         self.sessions[s.id] = s
-        self.changed = time.time()
+        self._membership_changed()
         self._nursery.start_soon(s.run, name=f"session {s.uid}")
+
+    def _membership_changed(self) -> None:
+        self.changed = time.time()
+        self.generation += 1
 
     def rename(self, s: Session, new: str) -> None:
         if s.running:
@@ -512,7 +519,7 @@ class Registry:
         del self.sessions[old]
         s.id = new
         self.sessions[new] = s
-        self.changed = time.time()
+        self._membership_changed()
         s.emit("info", f"renamed from {old} to {new}")
 
     def kill(self, s: Session) -> Awaitable[None] | None:
@@ -525,7 +532,7 @@ class Registry:
         if self.sessions.get(s.id) is not s:
             return None
         del self.sessions[s.id]
-        self.changed = time.time()
+        self._membership_changed()
         s.emit("info", "session killed")
         s.close()
         s.discard()
@@ -580,6 +587,7 @@ class Registry:
         for s in list(self.sessions.values()):
             s.close()
             s.journal.close()
+        self.generation += 1  # closed sessions are no longer valid in the tree
         self._tree_link.close()
         self.events.close()
         await self.toolsrv.aclose()
