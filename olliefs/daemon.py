@@ -184,7 +184,11 @@ async def _serve(
                     total, workers = task_counts()
                     fds = len(os.listdir("/proc/self/fd"))
                     log.info(
-                        "debug: %d trio tasks, %d pyfuse3 workers, %d fds", total, workers, fds
+                        "debug: %d trio tasks, %d pyfuse3 workers, %d fds, %d inodes",
+                        total,
+                        workers,
+                        fds,
+                        ops.known_inodes,
                     )
 
         nursery.start_soon(stop_on_signal)
