@@ -287,6 +287,13 @@ class Operations(pyfuse3.Operations):
     def known_inodes(self) -> int:
         return len(self._nodes)
 
+    def drop_stale_listings(self) -> None:
+        """Forget kept listings that the next opendir would build again anyway (their
+        nodes hold what they show: a killed session, until then)."""
+        for ino, listing in list(self._listings.items()):
+            if listing.dir.listing_version() != listing.version:
+                del self._listings[ino]
+
     def _fh(self, handle: Handle) -> int:
         fh = self._next_fh
         self._next_fh += 1
@@ -407,7 +414,9 @@ class Operations(pyfuse3.Operations):
         ):
             # "." and ".." first, then the entries sorted by name, as ls and find expect.
             entries = [(".", d), ("..", parent), *sorted(d.entries(), key=_by_name)]
-            listing = _Listing(version, self._epoch, entries, [self._attrs(n) for _, n in entries])
+            listing = _Listing(
+                d, version, self._epoch, entries, [self._attrs(n) for _, n in entries]
+            )
             if version is None:
                 self._listings.pop(inode, None)
             else:
@@ -619,15 +628,17 @@ class _Listing:
     while the directory's ``listing_version`` stays the same. Attributes of nodes that
     are not ``fixed_attrs`` are made again at each opendir (``varying``)."""
 
-    __slots__ = ("attrs", "epoch", "names", "nodes", "unwatched", "varying", "version")
+    __slots__ = ("attrs", "dir", "epoch", "names", "nodes", "unwatched", "varying", "version")
 
     def __init__(
         self,
+        d: Dir,
         version: Hashable | None,
         epoch: int,
         entries: list[tuple[str, Node]],
         attrs: list[pyfuse3.EntryAttributes],
     ) -> None:
+        self.dir = d
         self.version = version
         self.epoch = epoch
         self.names = [name.encode() for name, _ in entries]

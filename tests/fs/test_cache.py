@@ -188,6 +188,10 @@ def test_idx_size_is_current_at_the_next_stat(daemon: Daemon) -> None:
     other = daemon.work / "elsewhere-with-a-long-name"
     other.mkdir()
 
+    def stop_and_wait(sid: str) -> None:
+        daemon.write(f"s/{sid}/ctl", "stop")
+        daemon.wait_idle(sid)
+
     def changed_by(change: Callable[[], object]) -> None:
         before = os.stat(idx)  # cached from here on
         change()
@@ -201,7 +205,8 @@ def test_idx_size_is_current_at_the_next_stat(daemon: Daemon) -> None:
     changed_by(lambda: daemon.write("s/i2/ctl", "backend anthropic"))
     changed_by(lambda: daemon.write("s/i2/ctl", f"cwd {other}"))
     changed_by(lambda: daemon.prompt("i1-renamed", "go"))  # idle -> thinking
-    changed_by(lambda: daemon.write("s/i1-renamed/ctl", "stop"))
+    # The turn ends after the stop returns: the change is announced when it comes.
+    changed_by(lambda: stop_and_wait("i1-renamed"))
     changed_by(lambda: daemon.write("s/i2/ctl", "kill"))
     os.rename(daemon.p("s/i1-renamed"), daemon.p("s/i1-renamed-again"))
     assert os.stat(idx).st_size == len(idx.read_bytes())

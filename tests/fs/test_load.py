@@ -135,6 +135,10 @@ class Counts(NamedTuple):
     workers: int  # pyfuse3 workers
     fds: int
     inodes: int  # in the FUSE frontend's table
+    alive: int  # session objects not freed yet, killed ones included
+    refreezes: int  # times what lives was frozen again (olliefs.daemon.Collector)
+    frozen: int  # objects in the permanent generation
+    collections: int  # by the cyclic garbage collector, all generations
 
 
 def debug_counts(daemon: Daemon) -> Counts:
@@ -145,7 +149,8 @@ def debug_counts(daemon: Daemon) -> Counts:
     with deadline(20):
         while True:
             lines = re.findall(
-                r"debug: (\d+) trio tasks, (\d+) pyfuse3 workers, (\d+) fds, (\d+) inodes",
+                r"debug: (\d+) trio tasks, (\d+) pyfuse3 workers, (\d+) fds, (\d+) inodes,"
+                r" (\d+) sessions alive, (\d+) refreezes, (\d+) frozen, (\d+) collections",
                 daemon.stderr(),
             )
             if len(lines) > seen:
