@@ -322,7 +322,7 @@ class Session:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
-                if self.spawned or self.queue:
+                if self.spawned:
                     await self.ready()
                 if self.spawned and self._runtime is not None:
                     self.spawned = False
