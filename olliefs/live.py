@@ -12,11 +12,14 @@ byte is written there as it is appended, only the newest ``window`` bytes stay i
 and reads of older bytes are served from the file (``pread``; the page cache makes that
 as fast as memory for recently read parts). The backing file is a cache, not a record:
 the journal is the record, and restoring a session renders its logs again from it, so the
-file is never fsync'd.
+file is never fsync'd. It is made when the log first outgrows twice its window (with
+what the log held so far): most logs never do, and a restart that restored a thousand
+sessions spent more time creating their files than doing anything else.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -26,6 +29,8 @@ from pathlib import Path
 import trio
 
 DEFAULT_WINDOW = 256 * 1024
+
+log = logging.getLogger(__name__)
 
 
 class GrowingLog:
@@ -42,13 +47,6 @@ class GrowingLog:
         self._window = window
         self._holders = 0  # open handles reading the log
         self._finalizer: weakref.finalize[[int], None] | None = None
-        if path is not None:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            # Closed when the last holder (the session, an open handle) lets go, or at
-            # discard when no handle reads it: a session is often in a reference cycle,
-            # and waiting for the garbage collector kept a removed session's files open
-            # (and their disk space taken) for as long as the daemon stayed quiet.
-            self._finalizer = weakref.finalize(self, os.close, self._fd)  # type: ignore[arg-type]
         self.closed = False
         self._discarded = False
         self.mtime = time.time()
@@ -64,9 +62,31 @@ class GrowingLog:
         """How many readers are parked at the end (for tests and stats)."""
         return len(self._lot)
 
+    def _spill(self) -> None:
+        """Make the backing file, holding every byte so far (the log outgrew its window)."""
+        assert self._path is not None and self._base == 0
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            log.warning("log %s stays in memory: %s", self._path, err)
+            self._path = None
+            return
+        # Closed when the last holder (the session, an open handle) lets go, or at
+        # discard when no handle reads it: a session is often in a reference cycle,
+        # and waiting for the garbage collector kept a removed session's files open
+        # (and their disk space taken) for as long as the daemon stayed quiet.
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)  # type: ignore[arg-type]
+        view = memoryview(self._buf)
+        while view:
+            view = view[os.write(fd, view) :]
+
     def append(self, data: bytes) -> None:
         if not data or self._discarded:
             return
+        if self._fd < 0 and self._path is not None:
+            if len(self._buf) + len(data) > 2 * self._window:
+                self._spill()
         if self._fd >= 0:
             view = memoryview(data)
             while view:
@@ -112,6 +132,9 @@ class GrowingLog:
         self.close()
         self._discarded = True
         if self._fd < 0:
+            if self._holders == 0:  # nobody reads it any more
+                self._buf = bytearray()
+                self._base = self._size
             return  # memory only: the bytes stay for those who hold the log
         self._buf = bytearray()
         self._base = self._size

@@ -13,7 +13,9 @@ import errno
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
+from olliefs.live import GrowingLog
 from olliefs.testing import Daemon
 from tests.conftest import oserror, script
 from tests.fs.test_load import debug_counts
@@ -104,10 +106,8 @@ def test_the_last_runs_logs_are_removed_after_a_restart(
     d.wait_for(lambda: not list(state.glob("logs.old-*")))
     assert d.read(f"s/{sid}/chat") == chat
     assert d.snapshot(f"s/{sid}/events") == events
-    (journal,) = (state / "sessions").glob("*.jsonl")
-    uid = journal.stem
-    logs = sorted(p.name for p in (state / "logs").iterdir())
-    assert logs == sorted(["events", f"{uid}.chat", f"{uid}.events"])
+    # Small logs have no backing file (live.GrowingLog): nothing of the last run is left.
+    assert list((state / "logs").iterdir()) == []
 
 
 def test_restored_then_killed_sessions_are_freed(daemon_factory: Callable[..., Daemon]) -> None:
@@ -139,3 +139,24 @@ def test_an_edited_profile_is_read_again(daemon_factory: Callable[..., Daemon]) 
     assert "You are chatty." in d.read(f"s/{second}/systemprompt")
     d.write(f"s/{first}/ctl", "agent lazy")
     assert "You are chatty." in d.read(f"s/{first}/systemprompt")
+
+
+def test_a_log_makes_its_file_when_it_outgrows_its_window(tmp_path: Path) -> None:
+    """A log keeps its bytes in memory until it outgrows twice its window; then its
+    backing file gets every byte so far, and older bytes are read from there."""
+    path = tmp_path / "x.chat"
+    log = GrowingLog(path, window=1000)
+    log.append(b"a" * 1500)
+    assert not path.exists()
+    log.append(b"b" * 600)
+    assert path.read_bytes() == b"a" * 1500 + b"b" * 600
+    log.append(b"c" * 3000)  # the memory keeps a window; the file keeps it all
+    whole = b"a" * 1500 + b"b" * 600 + b"c" * 3000
+    assert path.read_bytes() == whole
+    assert b"".join(log.read(off, 700) for off in range(0, len(whole), 700)) == whole
+    log.discard()
+    assert not path.exists()
+    small = GrowingLog(tmp_path / "y.chat", window=1000)
+    small.append(b"hello")
+    small.discard()
+    assert not (tmp_path / "y.chat").exists()
