@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from olliefs.fs import ninep, spec
+from olliefs.fs import spec
 from olliefs.fs.fuse import Operations, mount_options
 from olliefs.fs.nodes import Node, Waiters
 from olliefs.session.registry import Registry
@@ -214,6 +214,8 @@ async def _serve(
                 pyfuse3.invalidate_entry_async(ino, name.encode(), ignore_enoent=True)
 
         if exports is not None:
+            from olliefs.fs import ninep  # only with --9p: a mount without it waits less
+
             # The same root node serves both frontends. Listening before the mount
             # appears: once ``ollie mount`` says ready, 9P clients can connect too.
             export = ninep.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)

@@ -512,7 +512,7 @@ class Operations(pyfuse3.Operations):
             fh=self._fh(handle),
             direct_io=node.direct_io,
             keep_cache=False,
-            noflush=_noflush(handle, flags),
+            noflush=noflush(handle, flags),
         )
 
     def _how(self, flags: int, ctx: pyfuse3.RequestContext) -> Open:
@@ -599,7 +599,7 @@ class Operations(pyfuse3.Operations):
             fh=self._fh(handle),
             direct_io=direct_io,
             keep_cache=False,
-            noflush=_noflush(handle, flags),
+            noflush=noflush(handle, flags),
         )
         return info, attrs
 
@@ -680,7 +680,7 @@ def _invalidate_entries(entries: list[tuple[int, str]]) -> None:
             pass  # not cached (ENOENT): nothing to forget
 
 
-def _noflush(handle: Handle, flags: int) -> bool:
+def noflush(handle: Handle, flags: int) -> bool:
     """Whether the kernel may skip FLUSH at close (FOPEN_NOFLUSH): where a flush could
     have nothing to do. A flush is how a prompt is submitted and an edited file saved,
     so only handles without flush work, and opens that can write nothing (read-only,

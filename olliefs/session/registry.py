@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -25,7 +25,6 @@ from olliefs.agent.events import Event, encode_line
 from olliefs.agent.profile import Profile, load_profile, profile_path
 from olliefs.agent.runtime import ToolLink
 from olliefs.agent.shell import base_env
-from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound, short_reason
 from olliefs.live import GrowingLog
@@ -36,6 +35,9 @@ from olliefs.settings import Paths, agent_names, shipped_dir
 from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
 from toolsrv.protocol import ToolMeta
+
+if TYPE_CHECKING:
+    from olliefs.backend import pool
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ PROFILE_PARAMS = (
 """Profile keys that are also cfg keys: a new session takes them from its profile."""
 SUB = "__"  # <parent>__<child>: a subagent's session name
 CATALOGUE_MAX_AGE = 1.0
+RESTORE_STARTS = 32  # restored sessions whose tasks start in one pass of the event loop
 
 
 def new_uid() -> str:
@@ -90,7 +93,7 @@ class Registry:
         self._old_logs = _set_aside(self.logs_dir)
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.events = GrowingLog(self.logs_dir / "events")
-        self.pool = pool.Pool(self.settings)
+        self._pool: pool.Pool | None = None  # made at its first use (see ``pool``)
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
         self.toolsrv = Toolsrv(paths, self.settings, nursery)
@@ -104,6 +107,8 @@ class Registry:
         # Profiles as read during a restore (every session of a profile reads the same);
         # None outside a restore, where each read goes to the file.
         self._profiles: dict[str, dict[str, Any]] | None = None
+        # Sessions restored, whose tasks are not started yet (during a restore only).
+        self._restored: list[Session] | None = None
         # Profiles as built at runtime builds, by file, while the file stays the same.
         self._loaded: dict[Path, tuple[tuple[int, int, int, int], Profile]] = {}
         self.services = Services(
@@ -117,8 +122,21 @@ class Registry:
 
     # ---- backends and profiles ------------------------------------------------------
 
+    @property
+    def pool(self) -> pool.Pool:
+        """The backends, imported and made at the first use: the backend modules (and
+        httpx under them) are a fifth of what a mount would import before it can serve,
+        and a restore or a listing needs none of them."""
+        if self._pool is None:
+            from olliefs.backend import pool as backends
+
+            self._pool = backends.Pool(self.settings)
+        return self._pool
+
     def backend_names(self) -> list[str]:
-        return pool.backend_names()
+        from olliefs.backend import pool as backends
+
+        return backends.backend_names()
 
     def backend(self, name: str) -> Backend:
         try:
@@ -542,7 +560,21 @@ class Registry:
     def _start(self, s: Session) -> None:
         self.sessions[s.id] = s
         self._membership_changed()
-        self._nursery.start_soon(s.run, name=f"session {s.uid}")
+        if self._restored is not None:
+            self._restored.append(s)  # its task starts after the restore (see there)
+        else:
+            self._nursery.start_soon(s.run, name=f"session {s.uid}")
+
+    async def _start_restored(self, sessions: list[Session]) -> None:
+        """Start the tasks of restored sessions, those with prompts queued first, a few
+        at a time: all at once, a thousand first steps ran in one pass of the event loop,
+        and the mount's first requests waited behind them."""
+        sessions.sort(key=lambda s: not s.queue)
+        for i, s in enumerate(sessions):
+            if not s.closed:
+                self._nursery.start_soon(s.run, name=f"session {s.uid}")
+            if i % RESTORE_STARTS == RESTORE_STARTS - 1:
+                await trio.lowlevel.checkpoint()
 
     def _membership_changed(self) -> None:
         self.changed = time.time()
@@ -604,12 +636,15 @@ class Registry:
         """
         self._nursery.start_soon(self._remove_old_logs)
         self._profiles = {}
+        self._restored = []
         collecting = gc.isenabled()
         gc.disable()
         try:
             self._restore_all()
         finally:
             self._profiles = None
+            self._nursery.start_soon(self._start_restored, self._restored)
+            self._restored = None
             if collecting:
                 gc.enable()
 
@@ -654,8 +689,9 @@ class Registry:
         self._tree_link.close()
         self.events.close()
         await self.toolsrv.aclose()
-        with trio.CancelScope(shield=True):
-            await self.pool.aclose()
+        if self._pool is not None:
+            with trio.CancelScope(shield=True):
+                await self._pool.aclose()
 
 
 def _set_aside(logs: Path) -> list[Path]:
