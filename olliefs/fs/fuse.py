@@ -521,9 +521,12 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handle(fh)
+        if not handle.waits:
+            return await handle.read(off, size)
         # The request (caller's thread, FUSE_INTERRUPT event) for a read that blocks.
         with interrupt.serving(pyfuse3.current_request.get()):
-            return await self._handle(fh).read(off, size)
+            return await handle.read(off, size)
 
     @translated
     async def write(self, fh: int, off: int, buf: bytes) -> int:
