@@ -146,7 +146,7 @@ class Session:
         # (``ready``), not at start: see ``run``.
         self._runtime_due = True
         self._runtime_building: trio.Event | None = None
-        self._runtime: Runtime | None = None  # as built by ``ready``
+        self._runtime: Runtime | None = None  # as built by ``ready``, until ``run`` starts
         self._streamed = persist.StreamedText()
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
@@ -324,9 +324,10 @@ class Session:
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
                 if self.spawned:
                     await self.ready()
-                if self.spawned and self._runtime is not None:
+                rt, self._runtime = self._runtime, None
+                if self.spawned and rt is not None:
                     self.spawned = False
-                    await self._agent_started(self._runtime)
+                    await self._agent_started(rt)
                 try:
                     while True:
                         while not self.queue:
@@ -583,7 +584,9 @@ class Session:
             return
         self._runtime_building = building = trio.Event()
         try:
-            self._runtime = await self._build_current()
+            rt = await self._build_current()
+            if self.spawned:
+                self._runtime = rt  # for the agent's start (``run``)
             self._runtime_due = False
         finally:
             self._runtime_building = None
