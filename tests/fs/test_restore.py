@@ -18,6 +18,7 @@ from pathlib import Path
 from olliefs.live import GrowingLog
 from olliefs.testing import Daemon
 from tests.conftest import oserror, script
+from tests.e2e.test_profiles import put
 from tests.fs.test_load import debug_counts
 
 # A prompt that only a built runtime shows expanded, a restriction and a hook that only
@@ -28,14 +29,6 @@ LAZY = {
     "allowTools": ["client_9p", "file_*"],
     "hooks": {"preTurn": "grep -q forbidden && { echo 'no forbidden prompts' >&2; exit 2; }; true"},
 }
-
-
-def put(daemon: Daemon, rel: str, text: str) -> None:
-    fd = os.open(daemon.p(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
 
 
 def restarted(d: Daemon) -> Daemon:
