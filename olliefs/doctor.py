@@ -151,14 +151,17 @@ def check_pyfuse3() -> Result:
             name, f"cannot import it: {err}", "apt-get install fuse3 libfuse3-dev; reinstall"
         )
     version = getattr(pyfuse3, "__version__", "?")
-    if hasattr(pyfuse3, "current_request"):
-        return ok(name, f"{version} with the interrupt patch (Ctrl-C ends blocked reads)")
-    return fail(
-        name,
-        f"{version} lacks the interrupt patch: a reader blocked on stream, events or"
-        " statewait cannot be interrupted, not even by SIGKILL",
-        f"build it from the olliefs source tree: bash .ci/pyfuse3/build.sh {sys.prefix}",
-    )
+    fix = f"build it from the olliefs source tree: bash .ci/pyfuse3/build.sh {sys.prefix}"
+    if not hasattr(pyfuse3, "current_request"):
+        return fail(
+            name,
+            f"{version} lacks the interrupt patch: a reader blocked on stream, events or"
+            " statewait cannot be interrupted, not even by SIGKILL",
+            fix,
+        )
+    if not hasattr(pyfuse3, "readdir_reply_many"):
+        return fail(name, f"{version} lacks the fast patch: the daemon will not mount", fix)
+    return ok(name, f"{version} with the interrupt patch (Ctrl-C ends blocked reads)")
 
 
 # ---- the private directories -----------------------------------------------------------

@@ -15,7 +15,9 @@ window's worth in one write, not as they are appended: a streamed reply is one a
 per network read to ``chat``, ``events`` and the root ``events``, and a write per append
 to each of their files was a tenth of what a token cost the daemon. The backing file is
 a cache, not a record: the journal is the record, and restoring a session renders its
-logs again from it, so the file is never fsync'd.
+logs again from it, so the file is never fsync'd. It is made when the log first outgrows
+twice its window: most logs never do, and a restart that restored a thousand sessions
+spent more time creating their files than doing anything else.
 
 In memory a log is a list of the byte strings appended (small ones merged), not one
 buffer: an append keeps the caller's bytes as they are (a bytearray copied every append,
@@ -27,6 +29,7 @@ is most often handed a piece as it is.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import time
 import weakref
@@ -34,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trio
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 256 * 1024
 MERGE = 4096  # appends are merged into the last piece while it is smaller than this
@@ -55,13 +60,6 @@ class GrowingLog:
         self._merge = min(MERGE, window)
         self._holders = 0  # open handles reading the log
         self._finalizer: weakref.finalize[[int], None] | None = None
-        if path is not None:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            # Closed when the last holder (the session, an open handle) lets go, or at
-            # discard when no handle reads it: a session is often in a reference cycle,
-            # and waiting for the garbage collector kept a removed session's files open
-            # (and their disk space taken) for as long as the daemon stayed quiet.
-            self._finalizer = weakref.finalize(self, os.close, self._fd)  # type: ignore[arg-type]
         self.closed = False
         self._discarded = False
         self.mtime = time.time()
@@ -87,7 +85,7 @@ class GrowingLog:
             pieces.append(bytes(data))
             self._starts.append(self._size)
         self._size += len(data)
-        if self._fd >= 0 and self._size - self._base > 2 * self._window:
+        if self._path is not None and self._size - self._base > 2 * self._window:
             self._spill(self._size - self._window)
         self._last = data[-1]
         self.mtime = time.time()
@@ -95,8 +93,27 @@ class GrowingLog:
             _notify(self)
         self._lot.unpark_all()
 
+    def _open(self) -> bool:
+        """Make the backing file (the log outgrew its window for the first time)."""
+        assert self._path is not None
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            log.warning("log %s stays in memory: %s", self._path, err)
+            self._path = None
+            return False
+        # Closed when the last holder (the session, an open handle) lets go, or at
+        # discard when no handle reads it: a session is often in a reference cycle,
+        # and waiting for the garbage collector kept a removed session's files open
+        # (and their disk space taken) for as long as the daemon stayed quiet.
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)  # type: ignore[arg-type]
+        return True
+
     def _spill(self, upto: int) -> None:
         """Move the pieces that end at or before ``upto`` to the backing file."""
+        if self._fd < 0 and not self._open():
+            return
         if upto >= self._size:
             k, end = len(self._pieces), self._size
         else:
@@ -163,8 +180,11 @@ class GrowingLog:
         """
         self.close()
         self._discarded = True
-        if self._fd < 0:
-            return  # memory only: the bytes stay for those who hold the log
+        if self._fd < 0:  # memory only: the bytes stay for those who hold the log
+            if self._holders == 0:  # nobody reads it any more
+                self._pieces, self._starts = [], []
+                self._base = self._size
+            return
         if self._holders:
             self._spill(self._size)  # they read on from the file
         self._pieces, self._starts = [], []

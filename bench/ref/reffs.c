@@ -9,9 +9,12 @@
  * serving this tree can reach.
  *
  * It answers flush (a no-op) because a filesystem serving this tree must: a prompt is
- * submitted when it is closed. xattr operations are left out (ENOSYS), as olliefs does.
+ * submitted when it is closed; and, where olliefs does (NOFLUSH 1), it opens read-only
+ * files with FOPEN_NOFLUSH, so that their close sends no flush at all, as olliefs's
+ * do. xattr operations are left out (ENOSYS), as olliefs does.
  *
  *   reffs MOUNTPOINT SESSIONS DIR_ATTR FILE_ATTR ENTRY SESSION_ENTRY DIRECT_IO KEEP_CACHE
+ *         NOFLUSH
  *
  * prints "ready" on stdout once mounted and serves until unmounted (fusermount3 -u).
  */
@@ -19,6 +22,7 @@
 #include <fuse_lowlevel.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,7 +61,7 @@ static const char *subdirs[] = {"branches", "peer", "compactions"};
 
 static int nsessions;
 static double dir_attr, file_attr, entry_ttl, session_entry_ttl;
-static int direct_io, keep_cache;
+static int direct_io, keep_cache, noflush;
 static char content[4096];
 static struct timespec born;
 
@@ -184,6 +188,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 	}
 	fi->direct_io = direct_io;
 	fi->keep_cache = keep_cache;
+	fi->noflush = noflush && (fi->flags & O_ACCMODE) == O_RDONLY && !(fi->flags & O_TRUNC);
 	fuse_reply_open(req, fi);
 }
 
@@ -317,9 +322,9 @@ static const struct fuse_lowlevel_ops ops = {
 
 int main(int argc, char **argv)
 {
-	if (argc != 9) {
+	if (argc != 10) {
 		fprintf(stderr, "usage: reffs MOUNTPOINT SESSIONS DIR_ATTR FILE_ATTR ENTRY "
-				"SESSION_ENTRY DIRECT_IO KEEP_CACHE\n");
+				"SESSION_ENTRY DIRECT_IO KEEP_CACHE NOFLUSH\n");
 		return 2;
 	}
 	nsessions = atoi(argv[2]);
@@ -329,6 +334,7 @@ int main(int argc, char **argv)
 	session_entry_ttl = atof(argv[6]);
 	direct_io = atoi(argv[7]);
 	keep_cache = atoi(argv[8]);
+	noflush = atoi(argv[9]);
 	memset(content, 'x', sizeof(content));
 	clock_gettime(CLOCK_REALTIME, &born);
 

@@ -427,6 +427,8 @@ class FileHandle(Handle):
     the kernel asks (``O_APPEND`` descriptors append whatever the offset, as Linux's
     ``pwrite`` does on them)."""
 
+    waits = False
+
     def __init__(self, node: FolderFile, fd: int, dirty: bool) -> None:
         self.node = node
         self.fd = fd
@@ -822,6 +824,8 @@ class Skills(Dir):
 class SkillHandle(Handle):
     """A SKILL.md being read or rewritten: the whole text in a buffer, checked and put in
     place at flush (close) when it was changed; a refused text changes nothing on disk."""
+
+    waits = False
 
     def __init__(self, node: Skill, data: bytes, dirty: bool, append: bool) -> None:
         self.node = node

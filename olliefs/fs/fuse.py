@@ -42,6 +42,7 @@ import functools
 import logging
 import os
 import stat
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -101,17 +102,25 @@ class Operations(pyfuse3.Operations):
         # How many times the kernel was told of each inode (lookup and readdirplus
         # replies) minus what it forgot: at zero the node is dropped, so memory follows
         # what the kernel holds, not every name ever looked up.
-        self._lookups: dict[int, int] = {}
+        self._lookups: Counter[int] = Counter()
         self._last_ino = pyfuse3.ROOT_INODE
+        # Bumped whenever an inode leaves the table: a listing built before (which
+        # names inode numbers) is built again.
+        self._epoch = 0
         self._handles: dict[int, Handle] = {}
-        self._dirs: dict[int, tuple[int, list[tuple[str, Node]]]] = {}
+        self._dirs: dict[int, _Open] = {}  # open directories by fh
+        # The last listing of each directory that says when its entries change
+        # (``Dir.listing_version``), reused by the next opendir while that holds.
+        self._listings: dict[int, _Listing] = {}
         self._parent: dict[int, int] = {}  # inode -> the directory it was found in
         self._next_fh = 1
         self.uid, self.gid = os.getuid(), os.getgid()
         # Inodes whose attributes, and (parent, name) entries, the kernel may hold in
         # cache with an observer waiting on their source for the next change.
         self._attr_watched: set[int] = set()
-        self._fixed: dict[int, pyfuse3.EntryAttributes] = {}  # of nodes with fixed_attrs
+        # Attributes built once and handed out again: of nodes with fixed_attrs for as
+        # long as the kernel knows them, of watched nodes until their source changes.
+        self._kept: dict[int, pyfuse3.EntryAttributes] = {}
         self._entry_watched: set[tuple[int, str]] = set()
         # Entries to invalidate, by a worker thread (see the module's docstring).
         self._stale_entries: list[tuple[int, str]] = []
@@ -152,13 +161,13 @@ class Operations(pyfuse3.Operations):
         return node
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        if node.fixed_attrs:
-            ino = self._inode(node)
-            a = self._fixed.get(ino)
-            if a is None:
-                a = self._fixed[ino] = self._make_attrs(node, ino)
-            return a
-        return self._make_attrs(node, self._inode(node))
+        ino = self._inode(node)
+        a = self._kept.get(ino)
+        if a is None:
+            a = self._make_attrs(node, ino)
+            if node.fixed_attrs or ino in self._attr_watched:
+                self._kept[ino] = a
+        return a
 
     def _make_attrs(self, node: Node, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -182,8 +191,10 @@ class Operations(pyfuse3.Operations):
         return a
 
     def _attr_changed(self, ino: int) -> None:
-        """A watched source changed: the kernel's copy of ``ino``'s attributes goes now."""
+        """A watched source changed: the kernel's copy of ``ino``'s attributes goes now,
+        and so does ours."""
         self._attr_watched.discard(ino)
+        self._kept.pop(ino, None)
         self.invalidated_attrs += 1
         try:
             pyfuse3.invalidate_inode(ino, attr_only=True)
@@ -204,6 +215,7 @@ class Operations(pyfuse3.Operations):
                 source.observers.append(changed)  # still there: watch on
                 return
             self._entry_watched.discard((parent_ino, name))
+            self._listings.pop(parent_ino, None)  # it holds the name as watched
             self._stale_entries.append((parent_ino, name))
             if not self._draining:
                 self._draining = True
@@ -248,7 +260,7 @@ class Operations(pyfuse3.Operations):
     def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
         """Attributes for a reply the kernel counts as a lookup (lookup, readdirplus)."""
         a = self._attrs(node)
-        self._lookups[a.st_ino] = self._lookups.get(a.st_ino, 0) + 1
+        self._lookups[a.st_ino] += 1
         return a
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -260,15 +272,27 @@ class Operations(pyfuse3.Operations):
             self._lookups.pop(ino, None)
             if ino == pyfuse3.ROOT_INODE:
                 continue
-            self._parent.pop(ino, None)
-            self._fixed.pop(ino, None)
-            node = self._nodes.pop(ino, None)
-            if node is not None and self._ino.get(node.key) == ino:
-                del self._ino[node.key]
+            self._drop(ino)
+
+    def _drop(self, ino: int) -> None:
+        """``ino`` leaves the table (the kernel forgot it, or never knew it)."""
+        self._epoch += 1
+        self._parent.pop(ino, None)
+        self._kept.pop(ino, None)
+        node = self._nodes.pop(ino, None)
+        if node is not None and self._ino.get(node.key) == ino:
+            del self._ino[node.key]
 
     @property
     def known_inodes(self) -> int:
         return len(self._nodes)
+
+    def drop_stale_listings(self) -> None:
+        """Forget kept listings that the next opendir would build again anyway (their
+        nodes hold what they show: a killed session, until then)."""
+        for ino, listing in list(self._listings.items()):
+            if listing.dir.listing_version() != listing.version:
+                del self._listings[ino]
 
     def _fh(self, handle: Handle) -> int:
         fh = self._next_fh
@@ -344,6 +368,8 @@ class Operations(pyfuse3.Operations):
                 attr.st_atime_ns if fields.update_atime else None,
                 attr.st_mtime_ns if fields.update_mtime else None,
             )
+        if not node.fixed_attrs:
+            self._kept.pop(inode, None)
         return self._attrs(node)
 
     # ---- extended attributes: none (ENOSYS: the kernel stops asking) ------------------
@@ -378,42 +404,87 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         parent = self._nodes.get(self._parent.get(inode, pyfuse3.ROOT_INODE), d)
-        # "." and ".." first, then the entries sorted by name, as ls and find expect.
-        self._dirs[fh] = (inode, [(".", d), ("..", parent), *sorted(d.entries(), key=_by_name)])
+        version = d.listing_version()
+        listing = self._listings.get(inode)
+        if (
+            listing is None
+            or version is None
+            or listing.version != version
+            or listing.epoch != self._epoch
+        ):
+            # "." and ".." first, then the entries sorted by name, as ls and find expect.
+            entries = [(".", d), ("..", parent), *sorted(d.entries(), key=_by_name)]
+            listing = _Listing(
+                d, version, self._epoch, entries, [self._attrs(n) for _, n in entries]
+            )
+            if version is None:
+                self._listings.pop(inode, None)
+            else:
+                self._listings[inode] = listing
+            attrs = listing.attrs
+        else:
+            attrs = list(listing.attrs)
+            attrs[0], attrs[1] = self._attrs(d), self._attrs(parent)
+            for i in listing.varying:
+                attrs[i] = self._attrs(listing.nodes[i])
+        self._dirs[fh] = _Open(inode, d, listing, attrs)
         return fh
 
     @translated
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        fh_inode, entries = self._dirs.get(fh, (0, []))
-        with self.in_dir(fh_inode):
-            await self._readdir(fh_inode, entries, start_id, token)
+        o = self._dirs.get(fh)
+        if o is None:
+            return
+        with self.in_dir(o.inode):
+            self._readdir(o, start_id, token)
 
-    async def _readdir(
-        self,
-        fh_inode: int,
-        entries: list[tuple[str, Node]],
-        start_id: int,
-        token: pyfuse3.ReaddirToken,
-    ) -> None:
-        for i in range(start_id, len(entries)):
-            name, node = entries[i]
-            if not node.valid():
-                continue
-            attrs = self._attrs(node)
-            if name in (".", ".."):  # the kernel counts no lookup for these
-                if not pyfuse3.readdir_reply(token, name.encode(), attrs, i + 1):
-                    break
-                continue
-            self._parent[attrs.st_ino] = fh_inode
-            if not pyfuse3.readdir_reply(token, name.encode(), attrs, i + 1):
-                if attrs.st_ino not in self._lookups:  # not sent: the kernel never knew it
-                    self._nodes.pop(attrs.st_ino, None)
-                    self._ino.pop(node.key, None)
-                    self._fixed.pop(attrs.st_ino, None)
-                break
-            self._lookups[attrs.st_ino] = self._lookups.get(attrs.st_ino, 0) + 1
-            if attrs.entry_timeout > 0:
-                self._watch_entry(fh_inode, name, node)
+    def _readdir(self, o: _Open, start: int, token: pyfuse3.ReaddirToken) -> None:
+        """One READDIRPLUS reply: as many entries from ``start`` as fit, added in bulk.
+
+        Each entry sent is a lookup the kernel counts (but "." and ".."). Entries whose
+        node went away since the opendir are left out; while the directory's listing
+        version and the inode table are as at the opendir, none can have, and the
+        entries go out as built."""
+        listing = o.listing
+        n = len(listing.names)
+        if listing.epoch == self._epoch and (
+            listing.version is not None and o.dir.listing_version() == listing.version
+        ):
+            end = pyfuse3.readdir_reply_many(token, listing.names, o.attrs, start)
+            self._sent(o, start, end)
+            return
+        # Checked per entry, a window at a time: what is checked is sent, or waits for
+        # the next request when the reply is full.
+        attrs = o.attrs = list(o.attrs)
+        while start < n:
+            stop = min(start + _WINDOW, n)
+            for i in range(start, stop):
+                node = listing.nodes[i]
+                attrs[i] = self._attrs(node) if node.valid() else None
+            end = pyfuse3.readdir_reply_many(token, listing.names, attrs, start, stop)
+            self._sent(o, start, end)
+            if end < stop:
+                a = attrs[end]
+                if a is not None and a.st_ino not in self._lookups:
+                    self._drop(a.st_ino)  # not sent: the kernel never knew it
+                return
+            start = stop
+
+    def _sent(self, o: _Open, start: int, end: int) -> None:
+        """Entries ``start`` to ``end`` of ``o`` reached the kernel."""
+        lo = max(start, 2)  # the kernel counts no lookup for "." and ".."
+        if end <= lo:
+            return
+        listing = o.listing
+        inos = [a.st_ino for a in o.attrs[lo:end] if a is not None]
+        self._lookups.update(inos)
+        self._parent.update(dict.fromkeys(inos, o.inode))
+        unwatched = listing.unwatched
+        if unwatched:
+            for i in range(lo, end):
+                if i in unwatched and o.attrs[i] is not None:
+                    unwatched.discard(i)
+                    self._watch_entry(o.inode, listing.names[i].decode(), listing.nodes[i])
 
     @translated
     async def releasedir(self, fh: int) -> None:
@@ -436,8 +507,13 @@ class Operations(pyfuse3.Operations):
         if acc in (os.O_RDONLY, os.O_RDWR) and not node.readable and ctx.uid != 0:
             raise pyfuse3.FUSEError(errno.EACCES)
         await node.prepare()
-        fh = self._fh(node.open(self._how(flags, ctx)))
-        return pyfuse3.FileInfo(fh=fh, direct_io=node.direct_io, keep_cache=False)
+        handle = node.open(self._how(flags, ctx))
+        return pyfuse3.FileInfo(
+            fh=self._fh(handle),
+            direct_io=node.direct_io,
+            keep_cache=False,
+            noflush=noflush(handle, flags),
+        )
 
     def _how(self, flags: int, ctx: pyfuse3.RequestContext) -> Open:
         nonblock = bool(flags & os.O_NONBLOCK)
@@ -445,9 +521,12 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handle(fh)
+        if not handle.waits:
+            return await handle.read(off, size)
         # The request (caller's thread, FUSE_INTERRUPT event) for a read that blocks.
         with interrupt.serving(pyfuse3.current_request.get()):
-            return await self._handle(fh).read(off, size)
+            return await handle.read(off, size)
 
     @translated
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -519,7 +598,13 @@ class Operations(pyfuse3.Operations):
         # The kernel counts a create reply as a lookup of the new inode.
         attrs = self._entry(node)
         direct_io = isinstance(node, File) and node.direct_io
-        return pyfuse3.FileInfo(fh=self._fh(handle), direct_io=direct_io, keep_cache=False), attrs
+        info = pyfuse3.FileInfo(
+            fh=self._fh(handle),
+            direct_io=direct_io,
+            keep_cache=False,
+            noflush=noflush(handle, flags),
+        )
+        return info, attrs
 
     @translated
     @holds_dir
@@ -536,6 +621,59 @@ class Operations(pyfuse3.Operations):
         raise pyfuse3.FUSEError(errno.EACCES)
 
 
+# Entries checked per step where a listing is checked entry by entry (see _readdir).
+_WINDOW = 128
+
+
+class _Listing:
+    """A directory's entries as READDIRPLUS sends them: names encoded, nodes, attributes
+    and inode numbers made once, at an opendir, and used again by the next opendirs
+    while the directory's ``listing_version`` stays the same. Attributes of nodes that
+    are not ``fixed_attrs`` are made again at each opendir (``varying``)."""
+
+    __slots__ = ("attrs", "dir", "epoch", "names", "nodes", "unwatched", "varying", "version")
+
+    def __init__(
+        self,
+        d: Dir,
+        version: Hashable | None,
+        epoch: int,
+        entries: list[tuple[str, Node]],
+        attrs: list[pyfuse3.EntryAttributes],
+    ) -> None:
+        self.dir = d
+        self.version = version
+        self.epoch = epoch
+        self.names = [name.encode() for name, _ in entries]
+        self.nodes = [node for _, node in entries]
+        self.attrs: list[pyfuse3.EntryAttributes | None] = list(attrs)
+        self.varying = [i for i, n in enumerate(self.nodes) if i > 1 and not n.fixed_attrs]
+        # Entries whose name the kernel may cache, not yet watched (see _watch_entry).
+        self.unwatched = {
+            i
+            for i, n in enumerate(self.nodes)
+            if i > 1 and n.entry_ttl > 0 and n.entry_watch() is not None
+        }
+
+
+class _Open:
+    """An open directory: its listing, with the attributes this opendir hands out."""
+
+    __slots__ = ("attrs", "dir", "inode", "listing")
+
+    def __init__(
+        self,
+        inode: int,
+        d: Dir,
+        listing: _Listing,
+        attrs: list[pyfuse3.EntryAttributes | None],
+    ) -> None:
+        self.inode = inode
+        self.dir = d
+        self.listing = listing
+        self.attrs = attrs
+
+
 def _invalidate_entries(entries: list[tuple[int, str]]) -> None:
     """In a worker thread: each call may wait for a request in the parent to finish."""
     for parent, name in entries:
@@ -543,6 +681,16 @@ def _invalidate_entries(entries: list[tuple[int, str]]) -> None:
             pyfuse3.invalidate_entry(parent, name.encode())
         except OSError:
             pass  # not cached (ENOENT): nothing to forget
+
+
+def noflush(handle: Handle, flags: int) -> bool:
+    """Whether the kernel may skip FLUSH at close (FOPEN_NOFLUSH): where a flush could
+    have nothing to do. A flush is how a prompt is submitted and an edited file saved,
+    so only handles without flush work, and opens that can write nothing (read-only,
+    no O_TRUNC), go without; each of those closes saves a round trip."""
+    if type(handle).flush is Handle.flush:
+        return True
+    return flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
 
 
 def _by_name(entry: tuple[str, Node]) -> str:

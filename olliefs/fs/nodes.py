@@ -175,6 +175,11 @@ class Node:
 
 
 class Handle:
+    # Whether a read may wait (``wait_until``): the frontend then tells the wait which
+    # request it serves, so that a signal ends it. A handle whose reads never wait says
+    # False and saves that (the default is the safe one).
+    waits = True
+
     async def read(self, off: int, size: int) -> bytes:
         return b""  # a write-only file, opened for reading by root: empty
 
@@ -227,6 +232,13 @@ class Dir(Node):
     def entries(self) -> Iterable[tuple[str, Node]]:
         raise NotImplementedError
 
+    def listing_version(self) -> Hashable | None:
+        """A value that changes whenever ``entries()`` would give other names or nodes,
+        or a node listed would stop being ``valid()``; None: no such value (the frontend
+        lists the directory afresh at each opendir and checks each entry as it sends it).
+        """
+        return None
+
     def lookup(self, name: str) -> Node | None:
         for n, node in self.entries():
             if n == name:
@@ -254,6 +266,8 @@ class Dir(Node):
 
 
 class SnapshotHandle(Handle):
+    waits = False
+
     def __init__(self, data: bytes) -> None:
         self.data = data
 
@@ -304,6 +318,8 @@ class ControlHandle(Handle):
     """Reads after a write that answered return the answer from its start, whether the
     reader seeks back to 0 (``pread``) or goes on reading where the write ended (a shell's
     ``exec 3<>s/new; echo ... >&3; read id <&3``)."""
+
+    waits = False
 
     def __init__(self, node: Control) -> None:
         self.node = node
@@ -384,6 +400,8 @@ class PromptHandle(Handle):
     ``ftruncate`` cuts the text not yet submitted (``ftruncate(fd, 0)`` discards it).
     """
 
+    waits = False
+
     def __init__(
         self, submit: Callable[[str], Awaitable[None]], refused: Callable[[str], None]
     ) -> None:
@@ -442,6 +460,8 @@ class PromptIn(File):
 class CollectedHandle(Handle):
     """Written like a file on disk (O_TRUNC, writes at offsets, ftruncate), applied
     whole when the writer closes it: an editor's save replaces the content once."""
+
+    waits = False
 
     def __init__(self, node: Collected, trunc: bool, append: bool = False) -> None:
         self.node = node
@@ -673,6 +693,8 @@ class StaticDir(Dir):
 
 
 class DiskHandle(Handle):
+    waits = False
+
     def __init__(self, fd: int) -> None:
         self.fd = fd
 

@@ -49,6 +49,8 @@ def refuse_sandboxed(how: Open, refused: Callable[[str], None]) -> None:
 
 
 class ProfileHandle(Handle):
+    waits = False
+
     def __init__(self, node: ProfileFile, initial: bytes, refused: Callable[[str], None]) -> None:
         self.node = node
         self.buf = bytearray(initial)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from pathlib import Path
 
 from olliefs.errors import NotFound, OllieError
@@ -107,7 +107,7 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "context": text("context", a.context_text),
         "env": text("env", s.env_text),
         "tools": text("tools", a.tools_text, fresh),
-        "systemprompt": text("systemprompt", a.systemprompt_text, fresh),
+        "systemprompt": text("systemprompt", a.systemprompt_text, lambda: _ready(s, fresh)),
         "tail": Script(("s", u, "tail"), s.tail_script, live, stamp=stamp("tail")),
         "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
         "peer": PeerDir(reg, s),
@@ -115,6 +115,12 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "taskstate": text("taskstate", a.taskstate_text),
         "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
     }
+
+
+async def _ready(s: Session, fresh: Callable[[], Awaitable[None]]) -> None:
+    """What ``systemprompt`` shows: the profile's prompt as built (``Session.ready``)."""
+    await s.ready()
+    await fresh()
 
 
 class PeerDir(Dir):
@@ -207,6 +213,7 @@ class SessionsDir(Dir):
         # The node of each live session's directory, made once: a listing of s/ with
         # 1,000 sessions would otherwise make 1,000 of them (and as many weak references).
         self._dirs: dict[str, tuple[Session, SessionDir]] = {}
+        reg.on_kill.append(self._killed)
 
     def _fixed(self) -> dict[str, Node]:
         reg = self.reg
@@ -223,7 +230,14 @@ class SessionsDir(Dir):
             "new": Control(
                 ("s", "new"), new, lambda: NEW_TEMPLATE, perm=0o666, refused=reg.refused
             ),
-            "idx": Text(("s", "idx"), reg.idx_text, stamp=root_stamp(self.stamps, "s/idx")),
+            # Every change of a line of idx (a session's state, cwd, backend or model,
+            # a session made, renamed or killed) is an event in the root events log.
+            "idx": Text(
+                ("s", "idx"),
+                reg.idx_text,
+                stamp=root_stamp(self.stamps, "s/idx"),
+                source=reg.events,
+            ),
         }
 
     def _session_dir(self, s: Session) -> SessionDir:
@@ -234,6 +248,11 @@ class SessionsDir(Dir):
         self._forget_gone()
         self._dirs[s.uid] = (s, d)
         return d
+
+    def _killed(self, s: Session) -> None:
+        got = self._dirs.get(s.uid)
+        if got is not None and got[0] is s:
+            del self._dirs[s.uid]
 
     def _forget_gone(self) -> None:
         """Drop the nodes of sessions that went away (each holds its session)."""
@@ -255,6 +274,11 @@ class SessionsDir(Dir):
 
     def nlink(self) -> int:
         return 2 + len(self.reg.sessions)
+
+    def listing_version(self) -> Hashable:
+        # Sessions come, go and are renamed only through the registry, which counts it;
+        # a session directory is valid exactly while its session is registered.
+        return self.reg.generation
 
     def mtime(self) -> float:
         return self.reg.changed

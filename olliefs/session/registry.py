@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
 import secrets
 import shutil
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -20,10 +22,9 @@ from olliefs.agent.build import Runtime, build_runtime
 from olliefs.agent.compact import checkpoint as checkpoint_messages
 from olliefs.agent.config import Cfg, resolve_cwd
 from olliefs.agent.events import Event, encode_line
-from olliefs.agent.profile import load_profile, profile_path
+from olliefs.agent.profile import Profile, load_profile, profile_path
 from olliefs.agent.runtime import ToolLink
 from olliefs.agent.shell import base_env
-from olliefs.backend import pool
 from olliefs.backend.base import Backend, BackendError
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound, short_reason
 from olliefs.live import GrowingLog
@@ -34,6 +35,9 @@ from olliefs.settings import Paths, agent_names, shipped_dir
 from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
 from toolsrv.protocol import ToolMeta
+
+if TYPE_CHECKING:
+    from olliefs.backend import pool
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ PROFILE_PARAMS = (
 """Profile keys that are also cfg keys: a new session takes them from its profile."""
 SUB = "__"  # <parent>__<child>: a subagent's session name
 CATALOGUE_MAX_AGE = 1.0
+RESTORE_STARTS = 32  # restored sessions whose tasks start in one pass of the event loop
 
 
 def new_uid() -> str:
@@ -78,10 +83,17 @@ class Registry:
         self.max_depth = _int(settings.get("OLLIE_SUBAGENT_DEPTH"), 3)
         self.last_error = ""  # the root ``err`` file: last refused write outside a session
         self.changed = time.time()  # when s/ last gained or lost a session
+        # Counts every change of which sessions s/ lists under which names (made,
+        # renamed, killed, closed): the tree reuses a listing of s/ while it holds.
+        self.generation = 0
+        self.on_kill: list[Callable[[Session], None]] = []  # called as each one goes
+        # Every session object not yet freed, killed ones included (for the leak tests).
+        self.alive: weakref.WeakSet[Session] = weakref.WeakSet()
         self.logs_dir = paths.state / "logs"
+        self._old_logs = _set_aside(self.logs_dir)
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.events = GrowingLog(self.logs_dir / "events")
-        self.pool = pool.Pool(self.settings)
+        self._pool: pool.Pool | None = None  # made at its first use (see ``pool``)
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
         self.toolsrv = Toolsrv(paths, self.settings, nursery)
@@ -92,6 +104,13 @@ class Registry:
         self._catalogue_lock = trio.Lock()
         self._tree_link = ToolLink(self.toolsrv, TREE_AGENT, [])
         self._tree_link.bind(nursery)
+        # Profiles as read during a restore (every session of a profile reads the same);
+        # None outside a restore, where each read goes to the file.
+        self._profiles: dict[str, dict[str, Any]] | None = None
+        # Sessions restored, whose tasks are not started yet (during a restore only).
+        self._restored: list[Session] | None = None
+        # Profiles as built at runtime builds, by file, while the file stays the same.
+        self._loaded: dict[Path, tuple[tuple[int, int, int, int], Profile]] = {}
         self.services = Services(
             backend=self.backend,
             profile_prompt=self.profile_prompt,
@@ -103,8 +122,21 @@ class Registry:
 
     # ---- backends and profiles ------------------------------------------------------
 
+    @property
+    def pool(self) -> pool.Pool:
+        """The backends, imported and made at the first use: the backend modules (and
+        httpx under them) are a fifth of what a mount would import before it can serve,
+        and a restore or a listing needs none of them."""
+        if self._pool is None:
+            from olliefs.backend import pool as backends
+
+            self._pool = backends.Pool(self.settings)
+        return self._pool
+
     def backend_names(self) -> list[str]:
-        return pool.backend_names()
+        from olliefs.backend import pool as backends
+
+        return backends.backend_names()
 
     def backend(self, name: str) -> Backend:
         try:
@@ -125,8 +157,8 @@ class Registry:
     async def build_runtime(self, name: str, cwd: str, env: Mapping[str, str]) -> Runtime:
         """A profile loaded and built (its prompt commands run in ``cwd``)."""
         dirs = self.profile_dirs()
-        profile = await trio.to_thread.run_sync(load_profile, name, dirs)
         path = profile_path(name, dirs)
+        profile = await self._load_profile(name, path, dirs)
         return await build_runtime(
             profile,
             name=name,
@@ -135,6 +167,23 @@ class Registry:
             profile_dir=path.parent,
             prompt_dirs=[self.paths.config / "prompts", shipped_dir() / "prompts"],
         )
+
+    async def _load_profile(self, name: str, path: Path, dirs: list[Path]) -> Profile:
+        """``load_profile``, read and checked again only when its file changed (sessions
+        of one profile that build their runtimes one after another read it once)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            stamp = None
+        else:
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            got = self._loaded.get(path)
+            if got is not None and got[0] == stamp:
+                return got[1]
+        profile = await trio.to_thread.run_sync(load_profile, name, dirs)
+        if stamp is not None:
+            self._loaded[path] = (stamp, profile)
+        return profile
 
     async def fresh_context(self, s: Session) -> None:
         """``ctxsz`` shows the real context length from its first read on."""
@@ -174,6 +223,14 @@ class Registry:
 
     def profile(self, agent: str) -> dict[str, Any]:
         """The profile's JSON (config dir first, then shipped); {} when unreadable."""
+        if self._profiles is None:
+            return self._read_profile(agent)
+        got = self._profiles.get(agent)
+        if got is None:
+            got = self._profiles[agent] = self._read_profile(agent)
+        return got
+
+    def _read_profile(self, agent: str) -> dict[str, Any]:
         for d in (self.paths.config / "agents", shipped_dir() / "profiles"):
             try:
                 data = msgspec.json.decode((d / f"{agent}.json").read_bytes())
@@ -496,12 +553,32 @@ class Registry:
 
     def _from_create(self, rec: persist.Create, journal: persist.Journal) -> Session:
         cfg = Cfg(backend=rec.backend, model=rec.model, agent=rec.agent, cwd=rec.cwd)
-        return Session(self, journal, uid=rec.uid, id=rec.id, cfg=cfg, created=rec.ts)
+        s = Session(self, journal, uid=rec.uid, id=rec.id, cfg=cfg, created=rec.ts)
+        self.alive.add(s)
+        return s
 
     def _start(self, s: Session) -> None:
         self.sessions[s.id] = s
+        self._membership_changed()
+        if self._restored is not None:
+            self._restored.append(s)  # its task starts after the restore (see there)
+        else:
+            self._nursery.start_soon(s.run, name=f"session {s.uid}")
+
+    async def _start_restored(self, sessions: list[Session]) -> None:
+        """Start the tasks of restored sessions, those with prompts queued first, a few
+        at a time: all at once, a thousand first steps ran in one pass of the event loop,
+        and the mount's first requests waited behind them."""
+        sessions.sort(key=lambda s: not s.queue)
+        for i, s in enumerate(sessions):
+            if not s.closed:
+                self._nursery.start_soon(s.run, name=f"session {s.uid}")
+            if i % RESTORE_STARTS == RESTORE_STARTS - 1:
+                await trio.lowlevel.checkpoint()
+
+    def _membership_changed(self) -> None:
         self.changed = time.time()
-        self._nursery.start_soon(s.run, name=f"session {s.uid}")
+        self.generation += 1
 
     def rename(self, s: Session, new: str) -> None:
         if s.running:
@@ -512,7 +589,7 @@ class Registry:
         del self.sessions[old]
         s.id = new
         self.sessions[new] = s
-        self.changed = time.time()
+        self._membership_changed()
         s.presence.wake()
         s.emit("info", f"renamed from {old} to {new}")
 
@@ -526,10 +603,12 @@ class Registry:
         if self.sessions.get(s.id) is not s:
             return None
         del self.sessions[s.id]
-        self.changed = time.time()
+        self._membership_changed()
         s.emit("info", "session killed")
         s.close()
         s.discard()
+        for hook in self.on_kill:
+            hook(s)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
         dest = self.paths.transcripts / f"{stamp}-{s.id}.jsonl"
 
@@ -549,7 +628,33 @@ class Registry:
         await trio.to_thread.run_sync(move)
 
     def restore(self) -> None:
-        """Bring back every journalled session (at daemon start)."""
+        """Bring back every journalled session (at daemon start).
+
+        Made for speed, since the mount waits for it: the logs of the last run were set
+        aside (and are removed in a worker thread), each profile is read once, and the
+        cyclic garbage collector does not run meanwhile (with a thousand sessions it
+        walked everything restored so far many times over).
+        """
+        self._nursery.start_soon(self._remove_old_logs)
+        self._profiles = {}
+        self._restored = []
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._restore_all()
+        finally:
+            self._profiles = None
+            self._nursery.start_soon(self._start_restored, self._restored)
+            self._restored = None
+            if collecting:
+                gc.enable()
+
+    async def _remove_old_logs(self) -> None:
+        for old in self._old_logs:
+            await trio.to_thread.run_sync(shutil.rmtree, old, True)
+        self._old_logs = []
+
+    def _restore_all(self) -> None:
         for path in sorted(self.paths.sessions.glob("*.jsonl")):
             try:
                 persist.repair(path)
@@ -581,11 +686,30 @@ class Registry:
         for s in list(self.sessions.values()):
             s.close()
             s.journal.close()
+        self.generation += 1  # closed sessions are no longer valid in the tree
         self._tree_link.close()
         self.events.close()
         await self.toolsrv.aclose()
-        with trio.CancelScope(shield=True):
-            await self.pool.aclose()
+        if self._pool is not None:
+            with trio.CancelScope(shield=True):
+                await self._pool.aclose()
+
+
+def _set_aside(logs: Path) -> list[Path]:
+    """Move the logs of the last run out of the way; return what is to be removed.
+
+    The logs are caches rendered again from the journals at every start (``GrowingLog``);
+    truncating a thousand sessions' old ones, one file at a time, took longer than the
+    rest of a restore. A new, empty folder takes their place at once, and the old one
+    is removed in the background (with any left by a run that stopped before it could).
+    """
+    leftovers = sorted(logs.parent.glob(f"{logs.name}.old-*"))
+    try:
+        aside = logs.with_name(f"{logs.name}.old-{time.time_ns()}")
+        os.rename(logs, aside)
+    except FileNotFoundError:
+        return leftovers
+    return [*leftovers, aside]
 
 
 def _int(value: str | None, default: int) -> int:

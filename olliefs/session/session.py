@@ -146,6 +146,11 @@ class Session:
         self.plan = ""
         self.models_text = ""  # the ``models`` file (filled from the backend pool)
         self.queued = trio.lowlevel.ParkingLot()  # fifo.out readers wait here
+        # The profile's runtime (prompt, hooks, allowTools) is built at the first need
+        # (``ready``), not at start: see ``run``.
+        self._runtime_due = True
+        self._runtime_building: trio.Event | None = None
+        self._runtime: Runtime | None = None  # as built by ``ready``, until ``run`` starts
         self._streamed = persist.StreamedText()
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
@@ -323,7 +328,9 @@ class Session:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.agent.link.bind(nursery)  # the toolsrv connection lives in here
-                rt = await self._build_current()
+                if self.spawned:
+                    await self.ready()
+                rt, self._runtime = self._runtime, None
                 if self.spawned and rt is not None:
                     self.spawned = False
                     await self._agent_started(rt)
@@ -332,6 +339,7 @@ class Session:
                         while not self.queue:
                             await self._queue_lot.park()
                         seq, text = self.queue.popleft()
+                        await self.ready()
                         await self._run_one(seq, text)
                 finally:
                     self.agent.link.close()
@@ -456,6 +464,7 @@ class Session:
     # ---- control --------------------------------------------------------------------
 
     async def ctl(self, text: str) -> None:
+        await self.ready()
         names = commands.tool_names(text)
         if any(n not in self.host.known_tools(self) for n in names):
             await self.host.refresh_tools()  # a tool added since the last look
@@ -463,6 +472,7 @@ class Session:
         await self._apply_all(text, lambda line: commands.prepare(self, line, pending))
 
     async def write_cfg(self, text: str) -> None:
+        await self.ready()
         draft = [self.cfg]  # the record as the earlier lines of this write leave it
         await self._apply_all(text, lambda line: self._prepare_cfg(line, draft))
 
@@ -567,6 +577,27 @@ class Session:
         self.agent.hook_failure = rt.hook_failure
         self.agent.hook_timeout = rt.hook_timeout
         self.agent.compaction_model = rt.compaction_model
+
+    async def ready(self) -> None:
+        """Build the profile's runtime now if it was not yet (once, whoever asks first).
+
+        A session that was restored (or forked) with nothing queued does not build it
+        at start: a thousand sessions building theirs at once held the mount back. A
+        turn, a ctl or cfg request and a read of ``systemprompt`` wait for it here.
+        """
+        while self._runtime_building is not None:
+            await self._runtime_building.wait()
+        if not self._runtime_due:
+            return
+        self._runtime_building = building = trio.Event()
+        try:
+            rt = await self._build_current()
+            if self.spawned:
+                self._runtime = rt  # for the agent's start (``run``)
+            self._runtime_due = False
+        finally:
+            self._runtime_building = None
+            building.set()
 
     async def _build_current(self) -> Runtime | None:
         """At the session's start (new or restored): its profile's prompt, hooks and

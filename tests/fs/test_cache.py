@@ -13,10 +13,14 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from olliefs.fs.spec import SESSION_SUBDIRS
+from olliefs.testing import deadline
 from tests.conftest import Daemon, oserror, script
+from tests.fs.test_load import debug_counts
 
 
 def test_a_size_change_is_visible_to_the_next_stat(daemon: Daemon) -> None:
@@ -174,3 +178,92 @@ def test_xattrs_are_not_supported(daemon: Daemon, tmp_path: Path) -> None:
         assert oserror(os.getxattr, p, "user.a") == errno.EOPNOTSUPP
         assert oserror(os.setxattr, p, "user.a", b"1") == errno.EOPNOTSUPP
     assert daemon.read("s/x/state") == "idle\n"
+
+
+def test_idx_size_is_current_at_the_next_stat(daemon: Daemon) -> None:
+    """``s/idx``'s attributes are kept (by the kernel and the daemon) until the root
+    events log announces a change: every change of one of its lines must reach it."""
+    daemon.replay.add(script('{"reply": "x", "hang": true}'))
+    idx = daemon.p("s/idx")
+    other = daemon.work / "elsewhere-with-a-long-name"
+    other.mkdir()
+
+    def stop_and_wait(sid: str) -> None:
+        daemon.write(f"s/{sid}/ctl", "stop")
+        daemon.wait_idle(sid)
+
+    def changed_by(change: Callable[[], object]) -> None:
+        before = os.stat(idx)  # cached from here on
+        change()
+        after = os.stat(idx)  # before any read: an open refreshes attributes
+        assert after.st_size == len(idx.read_bytes()) != before.st_size
+
+    changed_by(lambda: daemon.new(name="i1"))
+    changed_by(lambda: daemon.new(name="i2"))
+    changed_by(lambda: daemon.write("s/i1/ctl", "rn i1-renamed"))
+    changed_by(lambda: daemon.write("s/i2/cfg", "model=a-much-longer-model-name\n"))
+    changed_by(lambda: daemon.write("s/i2/ctl", "backend anthropic"))
+    changed_by(lambda: daemon.write("s/i2/ctl", f"cwd {other}"))
+    changed_by(lambda: daemon.prompt("i1-renamed", "go"))  # idle -> thinking
+    # The turn ends after the stop returns: the change is announced when it comes.
+    changed_by(lambda: stop_and_wait("i1-renamed"))
+    changed_by(lambda: daemon.write("s/i2/ctl", "kill"))
+    os.rename(daemon.p("s/i1-renamed"), daemon.p("s/i1-renamed-again"))
+    assert os.stat(idx).st_size == len(idx.read_bytes())
+
+
+def test_a_listing_follows_sessions_made_renamed_and_killed(daemon: Daemon) -> None:
+    """A listing of s/ is built once and reused while the registry says its sessions
+    stand: each change must show in the very next listing."""
+    s = daemon.p("s")
+    assert sorted(os.listdir(s)) == ["idx", "new"]
+    daemon.new(name="l1")
+    assert sorted(os.listdir(s)) == ["idx", "l1", "new"]
+    daemon.new(name="l2")
+    assert sorted(os.listdir(s)) == ["idx", "l1", "l2", "new"]
+    daemon.write("s/l1/ctl", "rn l3")
+    assert sorted(os.listdir(s)) == ["idx", "l2", "l3", "new"]
+    os.rename(daemon.p("s/l2"), daemon.p("s/l0"))
+    assert sorted(os.listdir(s)) == ["idx", "l0", "l3", "new"]
+    os.rmdir(daemon.p("s/l0"))
+    assert sorted(os.listdir(s)) == ["idx", "l3", "new"]
+    # Every name listed leads where it says, through the kernel's cache and without.
+    assert daemon.read("s/l3/state") == "idle\n"
+    assert {e.name: e.is_dir() for e in os.scandir(s)} == {"idx": False, "l3": True, "new": False}
+
+
+def test_listings_after_the_kernel_forgot_the_inodes(daemon: Daemon) -> None:
+    """A kept listing names inode numbers; the kernel may forget them (memory pressure,
+    here dropped caches) and the daemon then drops them from its table: the next
+    listing must not hand out a number that no longer leads anywhere."""
+    names = [daemon.new(name=f"f{i:02d}") for i in range(40)]
+    s = daemon.p("s")
+    for name in os.listdir(s):
+        os.stat(s / name)
+    before = debug_counts(daemon).inodes
+    # s/ itself stays known (a descriptor holds it): its kept listing is what is tested.
+    fd = os.open(s, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with deadline(60):
+            while True:
+                Path("/proc/sys/vm/drop_caches").write_text("2\n")
+                if debug_counts(daemon).inodes < before - len(names):
+                    break
+                time.sleep(0.1)
+        assert sorted(os.listdir(s)) == sorted([*names, "idx", "new"])
+        for name in names:
+            assert daemon.read(f"s/{name}/state") == "idle\n"
+    finally:
+        os.close(fd)
+
+
+def test_a_long_listing_gives_each_name_once(daemon: Daemon) -> None:
+    """A directory of more entries than one reply holds (and than the daemon checks in
+    one step) is listed whole, each name once, in order."""
+    tmp = daemon.p("tmp")
+    want = [f"file-{i:04d}" for i in range(1500)]
+    for name in want:
+        (daemon.home / "data" / "scratch" / name).write_text("x")
+    got = os.listdir(tmp)
+    assert got == want
+    assert sorted(e.name for e in os.scandir(tmp) if e.is_file()) == want

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -130,19 +130,31 @@ def wait_all_blocked(pids: list[int], n: int, timeout: float = 60) -> None:
             time.sleep(0.01)
 
 
-def debug_counts(daemon: Daemon) -> tuple[int, int, int]:
-    """(trio tasks, pyfuse3 workers, fds) from the daemon's SIGUSR1 line."""
+class Counts(NamedTuple):
+    tasks: int  # trio tasks
+    workers: int  # pyfuse3 workers
+    fds: int
+    inodes: int  # in the FUSE frontend's table
+    alive: int  # session objects not freed yet, killed ones included
+    refreezes: int  # times what lives was frozen again (olliefs.daemon.Collector)
+    frozen: int  # objects in the permanent generation
+    collections: int  # by the cyclic garbage collector, all generations
+
+
+def debug_counts(daemon: Daemon) -> Counts:
+    """What the daemon's SIGUSR1 line says."""
     assert daemon.proc is not None
     seen = len(re.findall(r"debug: \d+ trio tasks", daemon.stderr()))
     daemon.proc.send_signal(signal.SIGUSR1)
     with deadline(20):
         while True:
             lines = re.findall(
-                r"debug: (\d+) trio tasks, (\d+) pyfuse3 workers, (\d+) fds", daemon.stderr()
+                r"debug: (\d+) trio tasks, (\d+) pyfuse3 workers, (\d+) fds, (\d+) inodes,"
+                r" (\d+) sessions alive, (\d+) refreezes, (\d+) frozen, (\d+) collections",
+                daemon.stderr(),
             )
             if len(lines) > seen:
-                tasks, workers, fds = (int(x) for x in lines[-1])
-                return tasks, workers, fds
+                return Counts(*(int(x) for x in lines[-1]))
             time.sleep(0.005)
 
 
@@ -203,7 +215,7 @@ def test_thousands_of_readers_writers_and_streams(loaded: Daemon) -> None:
         daemon.prompt(sid, "warm up")
     for sid in sids:
         daemon.wait_idle(sid)
-    tasks0, workers0, _ = debug_counts(daemon)
+    tasks0, workers0, *_ = debug_counts(daemon)
     fds0, _ = daemon_fds(daemon)
 
     # ---- the readers: helpers' threads, and a cat per session -----------------------
@@ -343,7 +355,7 @@ def test_thousands_of_readers_writers_and_streams(loaded: Daemon) -> None:
     # (on the daemon's own counts) until everything else is back where it was.
     with deadline(60):
         while True:
-            tasks, workers, _ = debug_counts(daemon)
+            tasks, workers, *_ = debug_counts(daemon)
             fds, conns = daemon_fds(daemon)
             if (tasks - workers, fds) == (tasks0 - workers0, fds0):
                 break
