@@ -162,7 +162,13 @@ def _has_interrupt() -> bool:
 
 
 def _has_fast() -> bool:
-    return hasattr(pyfuse3, "readdir_reply_many") and hasattr(pyfuse3.FileInfo(), "noflush")
+    if not (hasattr(pyfuse3, "readdir_reply_many") and hasattr(pyfuse3.FileInfo(), "noflush")):
+        return False
+    try:  # a blocked read puts its own wake-up there (olliefs.fs.interrupt)
+        pyfuse3.RequestContext().interrupted = None
+    except AttributeError:
+        return False
+    return True
 
 
 async def serve(

@@ -5,10 +5,13 @@ answers. When a signal arrives the kernel sends FUSE_INTERRUPT for that one requ
 then on it waits only for the answer, so if the daemon did not answer, not even SIGKILL
 would free the reader. Stock pyfuse3 drops FUSE_INTERRUPT; olliefs runs a pyfuse3 built
 with a small patch (``.ci/pyfuse3/``) that publishes the request being served in
-``pyfuse3.current_request``, with the caller's thread id and a ``trio.Event`` that the
+``pyfuse3.current_request``, with the caller's thread id and a place for what the
 interrupt sets. The FUSE frontend hands that to this module (``serving``), and a blocked
-read (``wait``) sleeps until its data comes or its event is set: no timer, no polling,
-so a thousand idle readers cost nothing.
+read (``wait``) puts a hook there whose ``set()`` cancels the read's wait: it sleeps until
+its data comes or the interrupt cancels it. No timer, no polling, no task of its own, so
+a thousand idle readers cost nothing and a woken one goes on in the same scheduler pass.
+(The read used to race its data against a task waiting on a ``trio.Event``; the
+nursery that took was most of what waking a reader cost, and its end took a pass more.)
 
 An interrupt does not say which signal came, and not every signal should end the read:
 
@@ -63,14 +66,40 @@ STOP = frozenset({signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU
 HARMLESS = frozenset({signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT})
 
 
+class Settable(Protocol):
+    def set(self) -> None: ...
+
+
 class Caller(Protocol):
-    """The request being served, as a frontend knows it (``pyfuse3.RequestContext``)."""
+    """The request being served, as a frontend knows it (``pyfuse3.RequestContext``).
+
+    A waiting handler puts its own object in ``interrupted``: FUSE_INTERRUPT calls its
+    ``set()``, at once if the interrupt came already. (A frontend that cannot tell of
+    interrupts serves its waits with no caller.)"""
 
     @property
     def pid(self) -> int: ...
 
     @property
-    def interrupted(self) -> trio.Event | None: ...
+    def interrupted(self) -> Settable | None: ...
+
+    @interrupted.setter
+    def interrupted(self, value: Settable) -> None: ...
+
+
+class _Hook:
+    """What FUSE_INTERRUPT sets while a read waits: it cancels the wait's scope."""
+
+    __slots__ = ("came", "scope")
+
+    def __init__(self) -> None:
+        self.came = False
+        self.scope: trio.CancelScope | None = None
+
+    def set(self) -> None:
+        self.came = True
+        if self.scope is not None:
+            self.scope.cancel()
 
 
 _caller: ContextVar[Caller | None] = ContextVar("olliefs.fs.caller", default=None)
@@ -126,19 +155,6 @@ def thread_wants_out(tid: int) -> bool:
         return True
 
 
-async def _park_or(park: Callable[[], Awaitable[None]], event: trio.Event) -> None:
-    """Return after ``park()`` returns or ``event`` is set, whichever comes first."""
-    async with trio.open_nursery() as nursery:
-
-        async def on_interrupt() -> None:
-            await event.wait()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(on_interrupt)
-        await park()
-        nursery.cancel_scope.cancel()
-
-
 async def wait(ready: Callable[[], bool], park: Callable[[], Awaitable[None]]) -> None:
     """Wait until ``ready()``, re-checking after each ``park()`` returns.
 
@@ -147,15 +163,18 @@ async def wait(ready: Callable[[], bool], park: Callable[[], Awaitable[None]]) -
     just waits.
     """
     caller = _caller.get()
-    event = caller.interrupted if caller is not None else None
-    if caller is None or event is None:
+    if caller is None:
         while not ready():
             await park()
         return
+    hook = _Hook()
+    caller.interrupted = hook  # FUSE_INTERRUPT calls hook.set() (at once if it came)
     watching = False
     while not ready():
-        if not event.is_set():
-            await _park_or(park, event)
+        if not hook.came:
+            with trio.CancelScope() as hook.scope:
+                await park()
+            hook.scope = None
             continue
         # Interrupted (the check runs at once, then every WATCH_PERIOD: see the module).
         if thread_wants_out(caller.pid):
