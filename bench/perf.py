@@ -41,6 +41,13 @@ HERE = Path(__file__).resolve().parent
 SESSIONS = int(os.environ.get("PERF_SESSIONS", "1000"))
 REPEAT = int(os.environ.get("PERF_REPEAT", "3000"))  # per small-operation figure
 READERS = int(os.environ.get("PERF_READERS", "1000"))  # blocked readers for the idle figure
+# Where the filesystems and the client run while the small operations are timed: "split"
+# (both filesystems on the first CPU, the client on the last), "same" (all on the last),
+# or "none" (wherever the scheduler puts them). A round trip between two CPUs costs a
+# wake-up of the other (on this VM ~40 us more than on one CPU), and unpinned each run
+# drew its own placement for each filesystem: ratios of 0.5x to 5x from one run to the
+# next, for the same code. Pinned, both sides pay the same.
+PIN = os.environ.get("PERF_PIN", "split")
 # Which parts to run: "fs" (this file's rows), "stream" (bench/perf_stream.py's), or both.
 PARTS = set(os.environ.get("PERF_PARTS", "fs,stream").split(","))
 CLK = os.sysconf("SC_CLK_TCK")
@@ -71,13 +78,15 @@ def timeouts() -> list[str]:
         str(spec.SessionDir.entry_ttl),
         str(int(state.direct_io)),
         "0",  # keep_cache: olliefs decides per open; 0 is the case of a changed file
-        str(int(fuse.noflush(handle, os.O_RDONLY))),  # FOPEN_NOFLUSH for read-only opens
+        # FOPEN_NOFLUSH for read-only opens (0 for a tree without it, as before it had it)
+        str(int(getattr(fuse, "noflush", lambda h, f: False)(handle, os.O_RDONLY))),
     ]
 
 
 @contextmanager
-def reffs(exe: Path, mnt: Path, sessions: int) -> Iterator[float]:
-    """Mounted reference; yields the seconds from spawn to the first answered stat."""
+def reffs(exe: Path, mnt: Path, sessions: int) -> Iterator[tuple[float, int]]:
+    """Mounted reference; yields the seconds from spawn to the first answered stat, and
+    its pid."""
     mnt.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -89,7 +98,7 @@ def reffs(exe: Path, mnt: Path, sessions: int) -> Iterator[float]:
     os.stat(mnt / "s" / "0000" / "state")
     took = time.perf_counter() - t0
     try:
-        yield took
+        yield took, proc.pid
     finally:
         subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
         try:
@@ -112,6 +121,49 @@ def timed(op: Callable[[], object], n: int) -> list[float]:
         op()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def in_turns(
+    ours: Callable[[], object], ref: Callable[[], object], n: int
+) -> tuple[list[float], list[float]]:
+    """``timed`` for both, one call of each in turn: on a machine shared with other
+    jobs a burst of theirs then slows both sides alike, not whichever ran then."""
+    ours()
+    ref()
+    a, b = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        ours()
+        t1 = time.perf_counter()
+        ref()
+        t2 = time.perf_counter()
+        a.append(t1 - t0)
+        b.append(t2 - t1)
+    return a, b
+
+
+@contextmanager
+def pinned(*servers: int) -> Iterator[str]:
+    """Pin ``servers`` (every thread) and this thread as ``PIN`` says; yields a note."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if PIN == "none" or len(cpus) < 2:
+        yield "unpinned"
+        return
+    server_cpu, client_cpu = (cpus[0], cpus[-1]) if PIN == "split" else (cpus[-1], cpus[-1])
+    for pid in servers:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), {server_cpu})
+    os.sched_setaffinity(0, {client_cpu})
+    try:
+        yield f"pinned {PIN}: servers on CPU {server_cpu}, client on CPU {client_cpu}"
+    finally:
+        os.sched_setaffinity(0, cpus)
+        for pid in servers:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.sched_setaffinity(int(tid), cpus)
+                except OSError:
+                    pass  # a worker thread that ended meanwhile
 
 
 def us(xs: list[float]) -> list[float]:
@@ -141,12 +193,15 @@ def ls_l(path: Path) -> Callable[[], object]:
     return lambda: subprocess.run(["ls", "-l", str(path)], check=True, stdout=subprocess.DEVNULL)
 
 
-def pair(name: str, ours: list[float], ref: list[float], unit: str, factor: float) -> list[Row]:
+def pair(
+    name: str, ours: list[float], ref: list[float], unit: str, factor: float, note: str = ""
+) -> list[Row]:
     target = f"<= {factor:g}x ref"
     rows = []
     for label, f in (("p50", p50), ("p99", p99)):
         o, r = f(ours), f(ref)
-        rows.append(Row(f"{name} {label}", o, r, unit, target, within(o, r, factor)))
+        rows.append(Row(f"{name} {label}", o, r, unit, target, within(o, r, factor), note))
+        note = ""
     return rows
 
 
@@ -236,32 +291,20 @@ def fs_rows(tmp: Path) -> list[Row]:
             # Idle sessions: let a collection settle what creating them left.
             time.sleep(1)
             per = (rss_kib(d.proc.pid) - before) / (SESSIONS - 1)
-            with reffs(exe, tmp / "ref", SESSIONS) as ref_mount_s:
+            with (
+                reffs(exe, tmp / "ref", SESSIONS) as (ref_mount_s, ref_pid),
+                pinned(d.proc.pid, ref_pid) as placement,
+            ):
                 ref = tmp / "ref"
                 ours_f, ref_f = d.p(f"s/{sids[1]}/state"), ref / "s" / "0001" / "state"
-                rows += pair(
-                    "stat s/<id>/state",
-                    us(timed(stat_of(ours_f), REPEAT)),
-                    us(timed(stat_of(ref_f), REPEAT)),
-                    "us",
-                    1.5,
-                )
-                rows += pair(
-                    "open+read+close state",
-                    us(timed(cat(ours_f), REPEAT)),
-                    us(timed(cat(ref_f), REPEAT)),
-                    "us",
-                    1.5,
-                )
+                o, r = in_turns(stat_of(ours_f), stat_of(ref_f), REPEAT)
+                rows += pair("stat s/<id>/state", us(o), us(r), "us", 1.5, placement)
+                o, r = in_turns(cat(ours_f), cat(ref_f), REPEAT)
+                rows += pair("open+read+close state", us(o), us(r), "us", 1.5)
                 n = max(20, REPEAT // 100)
-                rows += pair(
-                    f"readdir s/ ({SESSIONS} sessions)",
-                    us(timed(listdir(d.p("s")), n)),
-                    us(timed(listdir(ref / "s"), n)),
-                    "us",
-                    2,
-                )
-                ls_o, ls_r = timed(ls_l(d.p("s")), 10), timed(ls_l(ref / "s"), 10)
+                o, r = in_turns(listdir(d.p("s")), listdir(ref / "s"), n)
+                rows += pair(f"readdir s/ ({SESSIONS} sessions)", us(o), us(r), "us", 2)
+                ls_o, ls_r = in_turns(ls_l(d.p("s")), ls_l(ref / "s"), 10)
                 rows.append(
                     Row(
                         f"ls -l s/ ({SESSIONS} sessions) p50",
