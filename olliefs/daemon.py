@@ -16,6 +16,7 @@ import fcntl
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 import weakref
@@ -157,6 +158,23 @@ def check_pyfuse3() -> None:
         )
 
 
+def raise_descriptor_limit() -> None:
+    """Take the hard limit of open descriptors as the soft one.
+
+    The daemon holds a descriptor per session (its journal), per open handle of the
+    tree and per blocked read's log, per provider connection: a thousand sessions
+    passed the soft limit most systems start a process with (1,024), and the next
+    s/new failed with EMFILE. The hard limit is what the system allows this process;
+    select() is never used here, so no descriptor is too high to use.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as err:  # an infinite hard limit some kernels refuse
+            log.warning("open descriptors stay limited to %d: %s", soft, err)
+
+
 def _has_interrupt() -> bool:
     return hasattr(pyfuse3, "current_request")
 
@@ -203,6 +221,7 @@ async def _serve(
     exports: Exports | None,
 ) -> None:
     check_pyfuse3()
+    raise_descriptor_limit()
     max_waiters = int(settings.get("OLLIE_MAX_WAITERS") or 4096)
     async with trio.open_nursery() as nursery:
         reg = Registry(paths, settings, mountpoint, nursery)
