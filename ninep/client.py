@@ -599,7 +599,8 @@ class Client:
             self._free_tag(rtag)
             reply = rslot.reply
             for _tag, slot in writes:
-                await slot.event.wait()
+                if not slot.event.is_set():  # (a set Event's wait still yields)
+                    await slot.event.wait()
             for (_tag, slot), at in zip(writes, range(0, max(len(data), 1), chunk), strict=True):
                 wrote = slot.reply
                 if isinstance(wrote, Rerror):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import select
@@ -163,9 +164,13 @@ def _caps() -> tuple[_CapHeader, ctypes.Array[_CapData]]:
 def drop_bounding_set() -> bool:
     """Empty this thread's capability bounding set; False if it cannot (no CAP_SETPCAP).
 
-    One credential commit per capability, ~3 µs each: spare threads do it ahead of their
-    job (`toolsrv.exec.spawn.Spare`). As an unprivileged user it cannot be done, and need
-    not be: with no_new_privs an exec never gains a capability, whatever the bounding set.
+    One credential commit per capability, ~4 µs each (160 µs of CPU in all, measured): the
+    toolsrv process does it once, in its only thread, before it starts any other (threads
+    inherit the set, and the server never needs it: it execs nothing but tools), so that
+    spawning threads need not (`bounding_set_empty`); a spare thread of an executor in a
+    process that keeps its set (tests) does it ahead of its job. As an unprivileged user
+    it cannot be done, and need not be: with no_new_privs an exec never gains a capability,
+    whatever the bounding set.
     """
     _hdr, data = _caps()
     if not data[0].effective & (1 << _CAP_SETPCAP):
@@ -173,6 +178,19 @@ def drop_bounding_set() -> bool:
     for cap in range(_last_cap() + 1):
         _check(prctl(_PR_CAPBSET_DROP, cap), f"PR_CAPBSET_DROP {cap}")
     return True
+
+
+def bounding_set_empty() -> bool:
+    """Whether the calling thread's bounding set is empty (CapBnd in /proc): then so is
+    that of every thread it starts."""
+    try:
+        with open("/proc/thread-self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"CapBnd:"):
+                    return int(line.split()[1], 16) == 0
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def drop_all_caps() -> None:
@@ -270,6 +288,7 @@ class _Kept:
     key: NsKey
     fd: int  # the namespace
     pins: list[int]  # O_PATH fds of the plan's paths: their inode numbers stay unique
+    serial: int  # which namespace this is, for those that joined it (fd numbers recur)
 
 
 class MountNsCache:
@@ -299,6 +318,7 @@ class MountNsCache:
         self.size = size
         self._watch = MountWatch()
         self._kept: OrderedDict[NsKey, _Kept] = OrderedDict()
+        self._serials = itertools.count(1)
         self.hits = 0
         self.misses = 0
 
@@ -325,6 +345,12 @@ class MountNsCache:
         self._kept.move_to_end(kept.key)
         self.hits += 1
         return kept.fd
+
+    def serial(self, key: NsKey | None) -> int | None:
+        """Which kept namespace `get` gives for ``key`` now: another one (made again after
+        the first was dropped) has another serial, though maybe the same fd number."""
+        kept = self._kept.get(key) if key is not None else None
+        return kept.serial if kept is not None else None
 
     @staticmethod
     def pin(key: NsKey | None) -> list[int] | None:
@@ -357,7 +383,7 @@ class MountNsCache:
             for pin in pins or ():
                 os.close(pin)
             return
-        self._kept[key] = _Kept(key, fd, pins)
+        self._kept[key] = _Kept(key, fd, pins, next(self._serials))
         while len(self._kept) > self.size:
             _key, old = self._kept.popitem(last=False)
             _close(old)
@@ -454,14 +480,40 @@ def empty_netns() -> int | None:
     return fds[0]
 
 
+def real_path(path: str) -> str | None:
+    """``os.path.realpath`` of a path that exists (None if it does not), in three syscalls:
+    the kernel resolves it (open O_PATH) and says where it ended (/proc/self/fd). The
+    Python realpath costs an lstat and a few string operations per component, and a call
+    resolves its roots and hidden paths every time (a root may have been swapped for a
+    symlink since the last call)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc
+        real = ""
+    finally:
+        os.close(fd)
+    if not real.startswith("/") or real.endswith(" (deleted)"):
+        # Removed meanwhile, or not a path of our root: let the library say.
+        real = os.path.realpath(path)
+        return real if os.path.exists(real) else None
+    return real
+
+
 def split_hidden(paths: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Existing paths to hide, as (directories, other files)."""
+    """Existing paths to hide, as (directories, other files): real paths."""
     dirs: list[str] = []
     files: list[str] = []
-    for p in map(os.path.realpath, paths):
+    for path in paths:
+        p = real_path(path)
+        if p is None:
+            continue
         if os.path.isdir(p):
             dirs.append(p)
-        elif os.path.lexists(p):
+        else:
             files.append(p)
     # What lies beneath a hidden directory is hidden with it (and no longer there to mount on).
     dirs = [d for d in dirs if not any(o != d and d.startswith(o + os.sep) for o in dirs)]

@@ -90,10 +90,15 @@ class CgroupBackend:
         """Processes in the cgroup. Our own pid shows in v1 while the spawning thread is
         still in there: it is excluded, so it is never killed nor waited for."""
         try:
-            with open(os.path.join(cg.path, "cgroup.procs"), "rb") as f:
-                data = f.read()
+            fd = os.open(os.path.join(cg.path, "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return []
+        try:
+            data = b""
+            while chunk := os.read(fd, 65536):  # a seq_file: a read may stop at a page
+                data += chunk
+        finally:
+            os.close(fd)
         return [p for p in map(int, data.split()) if p != self._me]
 
     def populated(self, cg: Cgroup) -> bool:

@@ -125,9 +125,30 @@ class Reaper:
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
     def _on_sigchld(self, signum: int, frame: FrameType | None) -> None:
-        self.sweep()
+        if self.orphans():
+            self.sweep()
         if callable(self._prev_sigchld):
             self._prev_sigchld(signum, frame)
+
+    def orphans(self) -> bool:
+        """Whether a sweep may find work: a child has exited that is not the leader of a
+        call in flight (whose call reaps it). One waitid, which looks without reaping.
+
+        Nearly every SIGCHLD is a leader's exit, and a sweep lists every thread's children
+        in /proc (a dozen syscalls). A zombie behind a leader's is found once the leader
+        is reaped, by the sweep or check that ends its call. Live orphans of finished calls
+        do not raise SIGCHLD: the sweep at the end of each call kills them (where a cgroup
+        did not already).
+        """
+        try:
+            ready = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        except OSError:
+            return True
+        if ready is None:
+            return False
+        return all(call.pid != ready.si_pid for call in self.calls)
 
     def sweep(self) -> int:
         """Reap and kill orphaned tool processes; how many it SIGKILLed.

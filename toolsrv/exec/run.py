@@ -21,7 +21,7 @@ from toolsrv.exec import cgroup
 from toolsrv.exec.capture import Watch, exit_fd, prefill
 from toolsrv.exec.cgroup import Cgroup, CgroupBackend
 from toolsrv.exec.reaper import CallRecord, Reaper
-from toolsrv.exec.spawn import SetupError, Spawner, spawn_in_thread
+from toolsrv.exec.spawn import SetupError, Spare, Spawner, spawn_in_thread
 from toolsrv.protect import ProtectedScan
 from toolsrv.sandbox import Prepared, Profile
 
@@ -160,13 +160,21 @@ class Executor:
         timeout = min(timeout, profile.timeout_cap)
         roots = [*write_roots, tmp_dir, *sandbox.expand_write(profile.write, env)]
         protect = None
+        clean = None
         if not profile.unsandboxed and namespaces.mount_namespaces():
-            # In a worker thread: a root on a slow filesystem must not stall the server.
-            async with self._scan_lock:
+            lock = self._scan_lock
+            try:
+                lock.acquire_nowait()  # (async with would yield to the scheduler twice)
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
                 clean = sandbox.clean_roots(roots)
                 protect = self.scan.quick(clean)
                 if protect is None:
+                    # In a worker thread: a root on a slow filesystem must not stall us.
                     protect = await trio.to_thread.run_sync(self.scan.find, clean)
+            finally:
+                lock.release()
         try:
             prepared = sandbox.prepare(
                 profile,
@@ -175,6 +183,7 @@ class Executor:
                 hide=self.hide,
                 netns_fd=None if profile.network else self.netns,
                 rulesets=self.rulesets,
+                clean=clean,
             )
         except (OSError, ValueError) as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
@@ -200,8 +209,18 @@ class Executor:
         watch: Watch | None = None
         cg: Cgroup | None = None
         run: _Run | None = None
-        spare = spawner.take_spare()  # None once handed to in_fresh_thread
+        spare: Spare | None = None  # None once handed to in_fresh_thread
         try:
+            ns_cache = spawner.mount_ns
+            ns_key = pins = None
+            if ns_cache is not None and prepared.mounts is not None:
+                ns_key = ns_cache.key(prepared.mounts)
+                prepared.mount_ns_fd = ns_cache.get(ns_key)
+                prepared.ns_serial = ns_cache.serial(ns_key)
+                if prepared.mount_ns_fd is None:
+                    pins = ns_cache.pin(ns_key)  # before the namespace is made
+                    prepared.keep_ns = pins is not None
+            spare = spawner.take_spare(prepared.key())
             for _ in range(3):
                 fds.extend(os.pipe2(os.O_CLOEXEC))
             in_r, in_w, out_r, out_w, err_r, err_w = fds
@@ -218,14 +237,6 @@ class Executor:
                         cg = backend.acquire(profile.max_procs)
                 except OSError as err:
                     log.warning("cgroup for the call unavailable: %s", err.strerror)
-            ns_cache = spawner.mount_ns
-            ns_key = pins = None
-            if ns_cache is not None and prepared.mounts is not None:
-                ns_key = ns_cache.key(prepared.mounts)
-                prepared.mount_ns_fd = ns_cache.get(ns_key)
-                if prepared.mount_ns_fd is None:
-                    pins = ns_cache.pin(ns_key)  # before the namespace is made
-                    prepared.keep_ns = pins is not None
             self.reaper.calls.add(call)
             thread, spare = spare, None
             capped = cg is not None and backend is not None and backend.limits
@@ -259,6 +270,9 @@ class Executor:
                 if built is not None and ns_cache is not None:
                     ns_cache.put(ns_key, built, pins)
                     pins = None
+                    # Kept now: the next call like this one joins it, and so can a spare.
+                    prepared.mount_ns_fd = ns_cache.get(ns_key)
+                    prepared.ns_serial = ns_cache.serial(ns_key)
                 for pin in pins or ():
                     os.close(pin)
             call.pid = proc.pid
@@ -269,7 +283,7 @@ class Executor:
             )
             for fd in (out_r, err_r, *([in_w] if rest else [])):
                 fds.remove(fd)
-            spawner.prestart(profile.max_procs)
+            spawner.prestart(profile.max_procs, prepared)
             with trio.move_on_after(timeout) as deadline:
                 await watch.pump(until_exit=True)
             run.exited = watch.exited
@@ -300,10 +314,14 @@ class Executor:
                     watch.close()
                 for fd in fds:
                     os.close(fd)
+                empty = run is not None and run.empty
                 if cg is not None and backend is not None:
-                    backend.release(cg, empty=run is not None and run.empty)
+                    backend.release(cg, empty=empty)
                 self.reaper.calls.discard(call)
-                await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
+                # A call whose cgroup was seen empty left no live process (a cgroup holds
+                # setsid escapees too): only zombies could be left, and `orphans` sees them.
+                if not empty or self.reaper.orphans():
+                    await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
 
     def _rlimits(self, profile: Profile, capped: bool) -> list[tuple[int, int]]:
         """The limits a call's leader must start with (see `spawn_in_thread`).
