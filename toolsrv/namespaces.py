@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import select
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -323,15 +324,19 @@ class MountNsCache:
         self.misses = 0
 
     @staticmethod
-    def key(plan: MountPlan) -> NsKey | None:
-        """The key of ``plan`` now; None if one of its paths is gone."""
+    def key(plan: MountPlan, seen: Ids | None = None) -> NsKey | None:
+        """The key of ``plan`` now; None if one of its paths is gone. ``seen``: identities
+        of some of its paths, taken while the call was prepared (the rest are stat'ed)."""
         ids: list[tuple[int, int]] = []
         for path in plan.paths:
-            try:
-                st = os.stat(path)
-            except OSError:
-                return None
-            ids.append((st.st_dev, st.st_ino))
+            ident = seen.get(path) if seen is not None else None
+            if ident is None:
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    return None
+                ident = (st.st_dev, st.st_ino)
+            ids.append(ident)
         return NsKey(plan, tuple(ids))
 
     def get(self, key: NsKey | None) -> int | None:
@@ -480,41 +485,61 @@ def empty_netns() -> int | None:
     return fds[0]
 
 
-def real_path(path: str) -> str | None:
-    """``os.path.realpath`` of a path that exists (None if it does not), in three syscalls:
-    the kernel resolves it (open O_PATH) and says where it ended (/proc/self/fd). The
-    Python realpath costs an lstat and a few string operations per component, and a call
-    resolves its roots and hidden paths every time (a root may have been swapped for a
-    symlink since the last call)."""
+Ids = dict[str, tuple[int, int]]
+"""(st_dev, st_ino) of real paths, as seen when they were resolved (`resolve`)."""
+
+
+def resolve(path: str, ids: Ids | None = None) -> tuple[str, os.stat_result] | None:
+    """``os.path.realpath`` of a path that exists, and its stat (None if it does not), in
+    four syscalls: the kernel resolves it (open O_PATH), says where it ended
+    (/proc/self/fd) and what it is. The Python realpath costs an lstat and a few string
+    operations per component, and a call resolves its roots and hidden paths every time
+    (a root may have been swapped for a symlink since the last call). ``ids`` gets the
+    identity of the real path, so that no one stats it again for the same call."""
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        real = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:  # no /proc
-        real = ""
+        st = os.fstat(fd)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc
+            real = ""
     finally:
         os.close(fd)
     if not real.startswith("/") or real.endswith(" (deleted)"):
         # Removed meanwhile, or not a path of our root: let the library say.
         real = os.path.realpath(path)
-        return real if os.path.exists(real) else None
-    return real
+        try:
+            st = os.stat(real)
+        except OSError:
+            return None
+    if ids is not None:
+        ids[real] = (st.st_dev, st.st_ino)
+    return real, st
 
 
-def split_hidden(paths: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def real_path(path: str, ids: Ids | None = None) -> str | None:
+    """The real path of an existing ``path`` (`resolve`), or None."""
+    got = resolve(path, ids)
+    return None if got is None else got[0]
+
+
+def split_hidden(
+    paths: Sequence[str], ids: Ids | None = None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Existing paths to hide, as (directories, other files): real paths."""
     dirs: list[str] = []
     files: list[str] = []
     for path in paths:
-        p = real_path(path)
-        if p is None:
+        got = resolve(path, ids)
+        if got is None:
             continue
-        if os.path.isdir(p):
-            dirs.append(p)
+        if stat.S_ISDIR(got[1].st_mode):
+            dirs.append(got[0])
         else:
-            files.append(p)
+            files.append(got[0])
     # What lies beneath a hidden directory is hidden with it (and no longer there to mount on).
     dirs = [d for d in dirs if not any(o != d and d.startswith(o + os.sep) for o in dirs)]
     files = [f for f in files if not any(f.startswith(d + os.sep) for d in dirs)]

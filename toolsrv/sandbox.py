@@ -37,7 +37,7 @@ import re
 import stat
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -282,6 +282,7 @@ class Prepared:
     ruleset_key: tuple[object, ...] | None = None  # its key there, when it is kept
     ns_serial: int | None = None  # which kept namespace ``mount_ns_fd`` is
     owns_ns_fds: bool = False  # ``mount_ns_fd`` and ``netns_fd`` are ours (`copy`)
+    ids: namespaces.Ids = field(default_factory=dict)  # identities seen preparing it
 
     @property
     def protect(self) -> tuple[str, ...]:
@@ -413,14 +414,19 @@ class RulesetCache:
         self._kept.clear()
 
 
-def _ruleset_key(abi: int, network: bool, roots: Sequence[str]) -> tuple[object, ...] | None:
+def _ruleset_key(
+    abi: int, network: bool, roots: Sequence[str], seen: namespaces.Ids
+) -> tuple[object, ...] | None:
     ids: list[tuple[int, int]] = []
     for root in roots:
-        try:
-            st = os.stat(root)
-        except OSError:
-            return None
-        ids.append((st.st_dev, st.st_ino))
+        ident = seen.get(root)
+        if ident is None:
+            try:
+                st = os.stat(root)
+            except OSError:
+                return None
+            ident = (st.st_dev, st.st_ino)
+        ids.append(ident)
     return (abi, network, tuple(roots), tuple(ids))
 
 
@@ -451,7 +457,7 @@ def _beneath(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def clean_roots(roots: Sequence[str]) -> list[str]:
+def clean_roots(roots: Sequence[str], ids: namespaces.Ids | None = None) -> list[str]:
     """Real paths of the roots that exist, without those inside another root.
 
     A root inside another needs no rule nor mount of its own, and must not get one: a tool
@@ -460,7 +466,7 @@ def clean_roots(roots: Sequence[str]) -> list[str]:
     """
     real: list[str] = []
     for root in roots:
-        r = namespaces.real_path(root)
+        r = namespaces.real_path(root, ids)
         if r is None:
             log.debug("sandbox: write root %s does not exist, skipped", root)
         elif r not in real:
@@ -480,6 +486,7 @@ def prepare(
     use_seccomp: bool = True,
     rulesets: RulesetCache | None = None,
     clean: Sequence[str] | None = None,
+    ids: namespaces.Ids | None = None,
 ) -> Prepared:
     """Build the sandbox of one call in the server (the expensive half).
 
@@ -499,7 +506,9 @@ def prepare(
 
     ``rulesets``: where Landlock rulesets made for the same roots are kept (with mount
     namespaces only: without them the rules depend on a root's entries, listed per call).
-    ``clean``: `clean_roots` of ``write_roots``, when the caller has it already.
+    ``clean``: `clean_roots` of ``write_roots``, when the caller has it already; ``ids``:
+    the identities it saw (`namespaces.resolve`), completed here and kept in ``ids`` of the
+    result, for the keys of the ruleset and of the mount namespace.
 
     ``netns_fd``: the empty network namespace a call without network joins (None: none is
     available; the TCP rules and the seccomp filter still hold). An ``unsandboxed`` profile
@@ -521,14 +530,15 @@ def prepare(
         raise SandboxError(_refusal(profile.name))
     if not profile.network and abi < 4 and netns is None:
         warn_once("tcp", f"Landlock ABI {abi} < 4 and no network namespace: TCP is not denied")
-    roots = clean_roots(write_roots) if clean is None else list(clean)
+    ids = {} if ids is None else ids
+    roots = clean_roots(write_roots, ids) if clean is None else list(clean)
     use_ns = namespaces.mount_namespaces() if mount_ns is None else mount_ns
     mounts = None
     tops: set[str] = set()
     if use_ns:
         if protect is None:
             protect = ProtectedScan(inotify=False).find(roots)
-        dirs, files = namespaces.split_hidden(hide)
+        dirs, files = namespaces.split_hidden(hide, ids)
         # A hidden path that holds a root is not hidden (the root would go with it).
         dirs = tuple(d for d in dirs if not any(_beneath(r, d) for r in roots))
         files = tuple(f for f in files if not any(_beneath(r, f) for r in roots))
@@ -542,12 +552,21 @@ def prepare(
         tops = {
             r for r in roots if any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES)
         }
-    key = _ruleset_key(abi, profile.network, roots) if rulesets is not None and not tops else None
+    key = None
+    if rulesets is not None and not tops:
+        key = _ruleset_key(abi, profile.network, roots, ids)
     if key is not None and rulesets is not None:
         kept = rulesets.get(key)
         if kept is not None:
             return Prepared(
-                kept, mounts, netns, filt, profile.network, owns_ruleset=False, ruleset_key=key
+                kept,
+                mounts,
+                netns,
+                filt,
+                profile.network,
+                owns_ruleset=False,
+                ruleset_key=key,
+                ids=ids,
             )
     handled_fs = fs_rights(abi)
     attr = _RulesetAttr(handled_fs, 0, 0)
@@ -562,7 +581,7 @@ def prepare(
     # The package's wrapper is typed for its one-field struct; the kernel reads ``size``.
     ptr = ctypes.cast(ctypes.pointer(attr), ctypes.POINTER(RulesetAttr))
     fd = int(_ll("landlock_create_ruleset", lambda: get_create_ruleset()(ptr, size, 0)))
-    prepared = Prepared(fd, mounts, netns, filt, profile.network)
+    prepared = Prepared(fd, mounts, netns, filt, profile.network, ids=ids)
     try:
         _add_rule(fd, "/", FS_READ_EXEC)
         _add_rule(fd, "/dev/null", FS_DEV_NULL & handled_fs, missing_ok=True)

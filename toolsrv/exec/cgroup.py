@@ -29,6 +29,13 @@ class Cgroup:
     path: str
     join_fd: int  # v1: tasks (a thread id joins), v2: cgroup.procs (a pid joins)
     pids_max: int = 0
+    current_fd: int = -1  # v1: pids.current, read again with pread (kept across calls)
+
+    def close(self) -> None:
+        for fd in (self.join_fd, self.current_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.join_fd = self.current_fd = -1
 
 
 class CgroupBackend:
@@ -108,6 +115,21 @@ class CgroupBackend:
                     return b"populated 1" in f.read()
             except FileNotFoundError:
                 return False
+        # v1: pids.current, one pread of a kept fd, says 0 at the end of nearly every
+        # call; otherwise the list decides (it leaves out our spawning thread, which
+        # pids.current counts while it lives). cgroup.procs cannot be read again through
+        # a kept fd: it answers what it listed the first time.
+        if cg.current_fd < 0:
+            try:
+                path = os.path.join(cg.path, "pids.current")
+                cg.current_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return bool(self.pids(cg))
+        try:
+            if os.pread(cg.current_fd, 32, 0).strip() == b"0":
+                return False
+        except OSError:
+            pass
         return bool(self.pids(cg))
 
     def kill(self, cg: Cgroup) -> None:
@@ -136,7 +158,7 @@ class CgroupBackend:
         if len(self._pool) < POOL_MAX and (empty or not self.populated(cg)):
             self._pool.append(cg)
             return
-        os.close(cg.join_fd)
+        cg.close()
         try:
             os.rmdir(cg.path)
         except OSError as err:
@@ -145,7 +167,7 @@ class CgroupBackend:
     def close(self) -> None:
         while self._pool:
             cg = self._pool.pop()
-            os.close(cg.join_fd)
+            cg.close()
             with contextlib.suppress(OSError):
                 os.rmdir(cg.path)
 

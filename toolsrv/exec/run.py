@@ -161,6 +161,7 @@ class Executor:
         roots = [*write_roots, tmp_dir, *sandbox.expand_write(profile.write, env)]
         protect = None
         clean = None
+        ids: namespaces.Ids = {}
         if not profile.unsandboxed and namespaces.mount_namespaces():
             lock = self._scan_lock
             try:
@@ -168,7 +169,7 @@ class Executor:
             except trio.WouldBlock:
                 await lock.acquire()
             try:
-                clean = sandbox.clean_roots(roots)
+                clean = sandbox.clean_roots(roots, ids)
                 protect = self.scan.quick(clean)
                 if protect is None:
                     # In a worker thread: a root on a slow filesystem must not stall us.
@@ -184,6 +185,7 @@ class Executor:
                 netns_fd=None if profile.network else self.netns,
                 rulesets=self.rulesets,
                 clean=clean,
+                ids=ids,
             )
         except (OSError, ValueError) as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
@@ -214,7 +216,7 @@ class Executor:
             ns_cache = spawner.mount_ns
             ns_key = pins = None
             if ns_cache is not None and prepared.mounts is not None:
-                ns_key = ns_cache.key(prepared.mounts)
+                ns_key = ns_cache.key(prepared.mounts, prepared.ids)
                 prepared.mount_ns_fd = ns_cache.get(ns_key)
                 prepared.ns_serial = ns_cache.serial(ns_key)
                 if prepared.mount_ns_fd is None:
@@ -392,7 +394,7 @@ class _Run:
             if self.exit_fd is not None:
                 if not self.exited:
                     await trio.lowlevel.wait_readable(self.exit_fd)
-                trio.lowlevel.notify_closing(self.exit_fd)
+                    trio.lowlevel.notify_closing(self.exit_fd)  # (trio knows it only then)
                 os.close(self.exit_fd)
                 self.exit_fd = None
             self.proc.wait()

@@ -9,8 +9,8 @@ used to set rlimits, when a profile asks for ``max_memory`` (see `spawn_in_threa
 The next threads are started ahead (`Spawner.prestart`) while a tool runs, off the critical
 path, one of them already in the sandbox of the call that just started (most calls have
 the sandbox of the call before). For the microseconds the spawning thread lives on after
-the spawn, it shares the tool's sandbox: the server is non-dumpable meanwhile so the tool
-cannot ptrace it.
+the spawn, it shares the tool's sandbox: the server is non-dumpable for as long as it can
+spawn, so the tool cannot ptrace it nor read its memory through /proc.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Spare:
 
 
 class Spawner:
-    """The spawning threads of one executor: the spares, and the dumpable guard.
+    """The spawning threads of one executor: the spares; and the process non-dumpable.
 
     Two spares wait at most: a plain one, for any call, and one that entered the sandbox
     of the last call ahead (`Prepared.key`), for the next call like it, which then only
@@ -141,8 +141,15 @@ class Spawner:
         self._spare: Spare | None = None
         self._ahead: Spare | None = None
         self._ending: list[Spare] = []  # told to end; their cgroups go back once they did
-        self._spawning = 0
-        self._was_dumpable: bool | None = None
+        # A spawning thread shares its tool's sandbox (Landlock domain) for the moments it
+        # lives on after the spawn, and a tool may ptrace-attach, or open /proc/<pid>/mem
+        # of, a process of its domain (seccomp refuses ptrace itself, not /proc): while
+        # the process is non-dumpable that takes CAP_SYS_PTRACE, which tools lack. It was
+        # made so around each spawn (two prctls a call); for the executor's life it costs
+        # nothing, and it is no weaker (py-spy and gdb then need root).
+        self._was_dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
+        if self._was_dumpable:
+            _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
 
     def _new(self, max_procs: int, ahead: Prepared | None = None) -> Spare:
         cg = None
@@ -216,22 +223,9 @@ class Spawner:
         self._reap(1.0)
         if self.mount_ns is not None:
             self.mount_ns.close()
-
-    def _guard(self, start: bool) -> None:
-        """Keep the server non-dumpable while a spawning thread lives.
-
-        That thread shares the tool's sandbox, which does not stop the tool from
-        ptrace-attaching it during the microseconds it lives on after exec; being
-        non-dumpable does (attaching then takes CAP_SYS_PTRACE, which tools lack), and
-        costs two prctls.
-        """
-        if self._was_dumpable is None:
-            self._was_dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
-        if not self._was_dumpable:
-            return
-        self._spawning += 1 if start else -1
-        if self._spawning == (1 if start else 0):
-            _libc.prctl(_PR_SET_DUMPABLE, 0 if start else 1, 0, 0, 0)
+        if self._was_dumpable:  # (every spawning thread is gone: `_reap` waited)
+            _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+            self._was_dumpable = False
 
     async def in_fresh_thread(self, fn: Callable[[Spare], _T], spare: Spare | None) -> _T:
         """Run ``fn`` in a new OS thread that ends with it: never trio's thread cache, which
@@ -267,7 +261,6 @@ class Spawner:
                     # through its own end: hand it over now (60 us -> 20 us, measured).
                     time.sleep(0)
 
-        self._guard(True)
         thread.run(body)
         # A spawn takes ~0.3 ms. Waiting for it on a lock, with the event loop blocked, is
         # ~0.1 ms faster than a trio wakeup from another thread; a slow spawn (a mount
@@ -281,7 +274,6 @@ class Spawner:
                     await done.wait()
             else:
                 ready.acquire()  # it finished meanwhile: released in a moment
-        self._guard(False)
         if error:
             raise error[0]
         return result[0]
