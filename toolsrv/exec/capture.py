@@ -37,9 +37,20 @@ class Watch:
     """
 
     def __init__(
-        self, out_r: int, err_r: int, in_w: int | None, rest: memoryview, exit_fd: int, cap: int
+        self,
+        out_r: int,
+        err_r: int,
+        in_w: int | None,
+        rest: memoryview,
+        exit_fd: int,
+        cap: int,
+        held: tuple[int, ...] = (),
     ) -> None:
+        """``held``: our copies of the pipes' write ends, kept open (and closed here) so
+        that the pipes give no EOF before the leader's exit (`release`): a tool's exit
+        then wakes the server once, not three times (stdout closed, stderr closed, gone)."""
         self.ep = select.epoll()
+        self.held = list(held)
         self.out, self.err = Capture(cap), Capture(cap)
         self.readers = {out_r: self.out, err_r: self.err}
         self.writer, self.rest = in_w, rest
@@ -67,6 +78,28 @@ class Watch:
                     self._write()
                 elif fd in self.readers:
                     self._read(fd)
+
+    def release(self) -> None:
+        """Close our write ends: EOF comes once no process of the call holds the pipes."""
+        for fd in self.held:
+            os.close(fd)
+        self.held.clear()
+
+    def drain(self) -> None:
+        """Read what the pipes hold, without waiting (after `release`, and the call's
+        processes dead, that is usually all of it, up to EOF)."""
+        for fd in list(self.readers):
+            capture = self.readers[fd]
+            while True:
+                try:
+                    chunk = self._more(fd)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    os.close(fd)
+                    del self.readers[fd]
+                    break
+                capture.add(chunk)
 
     def forget_exit(self) -> None:
         """Stop watching the exit fd (its owner closes it)."""
@@ -120,6 +153,7 @@ class Watch:
             self.writer = None
 
     def close(self) -> None:
+        self.release()
         trio.lowlevel.notify_closing(self.ep.fileno())
         self.ep.close()
         for fd in [*self.readers, *([self.writer] if self.writer is not None else [])]:

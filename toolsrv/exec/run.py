@@ -265,9 +265,8 @@ class Executor:
                 log.exception("spawning %s failed", argv[0])
                 return ExecResult(error=_spawn_error(argv[0], err))
             finally:
-                for fd in (in_r, out_w, err_w):
-                    os.close(fd)
-                    fds.remove(fd)
+                os.close(in_r)
+                fds.remove(in_r)
                 built = prepared.take_built_ns()
                 if built is not None and ns_cache is not None:
                     ns_cache.put(ns_key, built, pins)
@@ -281,9 +280,15 @@ class Executor:
             run = _Run(self.reaper, proc, exit_fd(proc.pid), cg, backend)
             assert run.exit_fd is not None
             watch = Watch(
-                out_r, err_r, in_w if rest else None, rest, run.exit_fd, profile.max_output
+                out_r,
+                err_r,
+                in_w if rest else None,
+                rest,
+                run.exit_fd,
+                profile.max_output,
+                held=(out_w, err_w),
             )
-            for fd in (out_r, err_r, *([in_w] if rest else [])):
+            for fd in (out_r, err_r, out_w, err_w, *([in_w] if rest else [])):
                 fds.remove(fd)
             spawner.prestart(profile.max_procs, prepared)
             with trio.move_on_after(timeout) as deadline:
@@ -291,8 +296,11 @@ class Executor:
             run.exited = watch.exited
             watch.forget_exit()
             await run.end()
-            with trio.move_on_after(DRAIN_GRACE):
-                await watch.pump(until_exit=False)
+            watch.release()
+            watch.drain()
+            if watch.readers:  # a process that left the call still holds a pipe
+                with trio.move_on_after(DRAIN_GRACE):
+                    await watch.pump(until_exit=False)
             rc = proc.returncode
             assert rc is not None
             return ExecResult(
