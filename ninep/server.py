@@ -245,11 +245,12 @@ class _Request:
     """One T-message in flight: its cancel scope (None when the reader answers it at
     once: nothing can cancel it), and whether a reply may still go out."""
 
-    __slots__ = ("_event", "aborted", "committed", "finished", "scope", "tag")
+    __slots__ = ("_event", "aborted", "committed", "finished", "running", "scope", "tag")
 
     def __init__(self, tag: int, scope: trio.CancelScope | None) -> None:
         self.tag = tag
         self.scope = scope
+        self.running: trio.Event | None = None  # set when its task starts (`_read_loop`)
         self.aborted = False  # flushed or reset: no reply unless committed
         self.committed = False  # its effect is visible: the reply must go out
         self.finished = False
@@ -361,13 +362,22 @@ class _Conn(Generic[N, H]):
         stats = self.stats
         fids = self.fids
         waits = self.fs.waits
+        started: _Request | None = None  # the last task started since the outbox went
         while True:
             limit = self.msize or self.max_msize
             try:
                 frame = frames.next_frame(limit)
                 if frame is None:
                     if self.outbox:  # nothing more to answer at once: send what we have
+                        if started is not None and started.running is not None:
+                            # ... once the tasks just started ran to their first wait:
+                            # their work (toolsrv: a spawn) does not wait for our write
+                            # and the wakeup of the peer, and a reply they made at once
+                            # goes in the same write. (Waiting for an Event the task sets
+                            # as it starts: the loop runs us again once it yields.)
+                            await started.running.wait()
                         await self._send(None, None)
+                    started = None
                     frame = await transport.next_frame(limit)
             except ProtocolError as err:
                 raise _Violation(str(err)) from None
@@ -421,6 +431,9 @@ class _Conn(Generic[N, H]):
             req = _Request(tag, trio.CancelScope())
             pending[tag] = req
             stats.in_flight += 1
+            if self.outbox:
+                req.running = trio.Event()
+            started = req
             nursery.start_soon(self._handle, req, msg)
 
     async def _reset(self) -> None:
@@ -502,6 +515,8 @@ class _Conn(Generic[N, H]):
 
     async def _handle(self, req: _Request, msg: TMessage) -> None:
         assert req.scope is not None
+        if req.running is not None:
+            req.running.set()
         reply: RMessage | None = None
         try:
             with req.scope:

@@ -189,12 +189,15 @@ async def test_a_handle_may_be_none() -> None:
 class _CountingStream(trio.abc.Stream):
     """The server's end of a memory stream, counting the writes the server makes."""
 
-    def __init__(self, inner: trio.abc.Stream) -> None:
+    def __init__(self, inner: trio.abc.Stream, fs: MemFS) -> None:
         self.inner = inner
+        self.fs = fs
         self.writes = 0
+        self.block_started_at_write: list[bool] = []
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self.writes += 1
+        self.block_started_at_write.append(self.fs.block_started.is_set())
         await self.inner.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -213,7 +216,7 @@ async def test_requests_that_cannot_wait_are_answered_in_order_in_one_write() ->
     a blocked read in flight is not held up by them, nor they by it."""
     fs = MemFS(inline=True)
     a, b = trio.testing.memory_stream_pair()
-    counted = _CountingStream(b)
+    counted = _CountingStream(b, fs)
     async with trio.open_nursery() as n:
         n.start_soon(serve_connection, counted, fs)
         r = Raw(a)
@@ -236,5 +239,12 @@ async def test_requests_that_cannot_wait_are_answered_in_order_in_one_write() ->
         assert counted.writes == before + 1
         assert await r.rpc(c.Tflush(6, 9)) == c.Rflush(6)  # the blocked read, flushed
         assert fs.cancelled_reads == 1
+        # A reply made at once waits for a task started after it in the same batch, but
+        # only until that task first waits, not until it ends.
+        fs.block_started = trio.Event()
+        await r.send(c.Twalk(7, 0, 8, ("hello",)), c.Tread(10, 1, 0, 5))
+        assert isinstance(await r.recv(), c.Rwalk)
+        assert counted.block_started_at_write[-1]  # the read had started, and waits
+        assert await r.rpc(c.Tflush(11, 10)) == c.Rflush(11)
         n.cancel_scope.cancel()
     fs.assert_all_clunked()
