@@ -141,17 +141,20 @@ class CgroupBackend:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
 
-    async def wait_empty(self, cg: Cgroup, deadline: float) -> bool:
-        """Kill until empty. A process forked between listing and killing shows up on the
-        next pass; SIGKILLed processes cannot fork, and pids.max bounds the passes."""
+    async def wait_empty(self, cg: Cgroup, deadline: float) -> tuple[bool, bool]:
+        """Kill until empty: (empty by ``deadline``, whether anything had to be killed).
+        A process forked between listing and killing shows up on the next pass;
+        SIGKILLed processes cannot fork, and pids.max bounds the passes."""
         delay = 0.0002
+        killed = False
         while self.populated(cg):
             self.kill(cg)
+            killed = True
             if trio.current_time() > deadline:
-                return False
+                return False, killed
             await trio.sleep(delay)
             delay = min(delay * 2, MAX_STEP)
-        return True
+        return True, killed
 
     def release(self, cg: Cgroup, *, empty: bool = False) -> None:
         """Pool the cgroup if it is empty (``empty``: just seen so), else remove it."""

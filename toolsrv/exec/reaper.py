@@ -102,14 +102,15 @@ class Reaper:
         self._sweeping = False
         self._sweep_again = False
 
-    def start(self) -> None:
+    def start(self, *, sigchld: bool = True) -> None:
+        """``sigchld``: sweep on SIGCHLD too (from the main thread only)."""
         if self._on:
             return
         if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             log.warning("cannot become a child subreaper: %s", os.strerror(ctypes.get_errno()))
         self._own_sid = os.getsid(0)
         self._own_nnp = _nnp("self")
-        if threading.current_thread() is threading.main_thread():
+        if sigchld and threading.current_thread() is threading.main_thread():
             self._prev_sigchld = signal.signal(signal.SIGCHLD, self._on_sigchld)
         self._on = True
 

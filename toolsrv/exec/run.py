@@ -82,7 +82,12 @@ class Executor:
         self._core_off = False
 
     def start(self) -> None:
-        self.reaper.start()
+        """Become the subreaper of the tools. Where calls get cgroups, every process of
+        a call is dead when it ends and the end reaps its zombies, so SIGCHLD needs no
+        handler (a sweep on each tool's exit, and a wakeup of the loop through trio's
+        signal socket, were several syscalls a call); without cgroups, escapees of a call
+        may die later, and SIGCHLD sweeps them up."""
+        self.reaper.start(sigchld=self.cgroups is None)
 
     def close(self) -> None:
         if self._spawner is not None:
@@ -329,8 +334,11 @@ class Executor:
                     backend.release(cg, empty=empty)
                 self.reaper.calls.discard(call)
                 # A call whose cgroup was seen empty left no live process (a cgroup holds
-                # setsid escapees too): only zombies could be left, and `orphans` sees them.
-                if not empty or self.reaper.orphans():
+                # setsid escapees too); the processes killed at its end (stragglers) may
+                # still be on their way to being zombies of ours: the sweep waits for
+                # them. Otherwise zombies only, and `orphans` sees them.
+                stragglers = run is not None and run.stragglers
+                if not empty or stragglers or self.reaper.orphans():
                     await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
 
     def _rlimits(self, profile: Profile, capped: bool) -> list[tuple[int, int]]:
@@ -388,6 +396,7 @@ class _Run:
     exited: bool = False  # the leader has exited (not yet reaped)
     ended: bool = False
     empty: bool = False  # the call's cgroup was seen empty at the end
+    stragglers: bool = False  # processes other than the leader were killed at the end
 
     async def end(self) -> None:
         """Kill everything of the call, reap the leader, wait until the rest is gone."""
@@ -408,7 +417,8 @@ class _Run:
             self.proc.wait()
             deadline = trio.current_time() + KILL_GRACE
             if self.cg is not None and self.backend is not None:
-                gone = self.empty = await self.backend.wait_empty(self.cg, deadline)
+                gone, self.stragglers = await self.backend.wait_empty(self.cg, deadline)
+                self.empty = gone
             else:
                 gone = await self.reaper.wait_group_gone(pid, deadline)
             if not gone:
