@@ -327,17 +327,8 @@ class MountNsCache:
     def key(plan: MountPlan, seen: Ids | None = None) -> NsKey | None:
         """The key of ``plan`` now; None if one of its paths is gone. ``seen``: identities
         of some of its paths, taken while the call was prepared (the rest are stat'ed)."""
-        ids: list[tuple[int, int]] = []
-        for path in plan.paths:
-            ident = seen.get(path) if seen is not None else None
-            if ident is None:
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    return None
-                ident = (st.st_dev, st.st_ino)
-            ids.append(ident)
-        return NsKey(plan, tuple(ids))
+        ids = identities(plan.paths, seen)
+        return None if ids is None else NsKey(plan, ids)
 
     def get(self, key: NsKey | None) -> int | None:
         """A kept namespace for ``key`` (still owned by the cache), or None."""
@@ -518,6 +509,22 @@ def resolve(path: str, ids: Ids | None = None) -> tuple[str, os.stat_result] | N
     if ids is not None:
         ids[real] = (st.st_dev, st.st_ino)
     return real, st
+
+
+def identities(paths: Sequence[str], seen: Ids | None = None) -> tuple[tuple[int, int], ...] | None:
+    """(st_dev, st_ino) of each path, from ``seen`` where it has them, else stat'ed now;
+    None if one of them is gone."""
+    ids: list[tuple[int, int]] = []
+    for path in paths:
+        ident = seen.get(path) if seen is not None else None
+        if ident is None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            ident = (st.st_dev, st.st_ino)
+        ids.append(ident)
+    return tuple(ids)
 
 
 def real_path(path: str, ids: Ids | None = None) -> str | None:

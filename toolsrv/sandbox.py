@@ -417,17 +417,8 @@ class RulesetCache:
 def _ruleset_key(
     abi: int, network: bool, roots: Sequence[str], seen: namespaces.Ids
 ) -> tuple[object, ...] | None:
-    ids: list[tuple[int, int]] = []
-    for root in roots:
-        ident = seen.get(root)
-        if ident is None:
-            try:
-                st = os.stat(root)
-            except OSError:
-                return None
-            ident = (st.st_dev, st.st_ino)
-        ids.append(ident)
-    return (abi, network, tuple(roots), tuple(ids))
+    ids = namespaces.identities(roots, seen)
+    return None if ids is None else (abi, network, tuple(roots), ids)
 
 
 def _refusal(name: str) -> str:

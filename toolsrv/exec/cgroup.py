@@ -97,15 +97,9 @@ class CgroupBackend:
         """Processes in the cgroup. Our own pid shows in v1 while the spawning thread is
         still in there: it is excluded, so it is never killed nor waited for."""
         try:
-            fd = os.open(os.path.join(cg.path, "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC)
+            data = read_seq(os.path.join(cg.path, "cgroup.procs"))
         except FileNotFoundError:
             return []
-        try:
-            data = b""
-            while chunk := os.read(fd, 65536):  # a seq_file: a read may stop at a page
-                data += chunk
-        finally:
-            os.close(fd)
         return [p for p in map(int, data.split()) if p != self._me]
 
     def populated(self, cg: Cgroup) -> bool:
@@ -200,6 +194,18 @@ def write_file(path: str, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
+
+
+def read_seq(path: str) -> bytes:
+    """All of a kernel seq_file (a read may stop at a page), without a file object."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = b""
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    finally:
+        os.close(fd)
+    return data
 
 
 def read_file(path: str) -> str:

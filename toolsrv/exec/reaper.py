@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from toolsrv.exec.cgroup import MAX_STEP
+from toolsrv.exec.cgroup import MAX_STEP, read_seq
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +66,10 @@ def children() -> set[int]:
     found = False
     for tid in tids:
         try:
-            fd = os.open(f"/proc/{me}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
+            data = read_seq(f"/proc/{me}/task/{tid}/children")
         except FileNotFoundError:
             continue
         found = True
-        try:
-            data = b""
-            while chunk := os.read(fd, 65536):  # a seq_file: a read may stop at a page
-                data += chunk
-        finally:
-            os.close(fd)
         kids.update(map(int, data.split()))
     if not found:  # kernel without CONFIG_PROC_CHILDREN
         for entry in os.listdir("/proc"):
