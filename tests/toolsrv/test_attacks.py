@@ -546,3 +546,29 @@ async def test_a_call_never_runs_in_the_sandbox_entered_for_another(
     got = await in_dir(box, one, EVERY_WALL, str(one), "9")
     assert got["hook"] in ("EROFS", "EACCES") and got["write"] == "ok", got
     assert list((one / "repo" / ".git" / "hooks").iterdir()) == []
+
+
+# Opens the environ and mem of each thread of a process, and of the tool itself.
+PROC_MEM = (
+    TRY
+    + """
+pid = sys.argv[1]
+for tid in os.listdir(f"/proc/{pid}/task"):
+    for what in ("environ", "mem"):
+        attempt(f"{tid}/{what}", lambda p=f"/proc/{pid}/task/{tid}/{what}": open(p, "rb").close())
+attempt("self/environ", lambda: open("/proc/self/environ", "rb").close())
+attempt("self/mem", lambda: open("/proc/self/mem", "rb").close())
+"""
+)
+
+
+async def test_toolsrv_memory_out_of_reach(box: Box) -> None:
+    """toolsrv holds the master key; its spawning thread lives on for moments in the
+    tool's Landlock domain, and a tool may open /proc/<pid>/mem of its domain (seccomp
+    refuses ptrace, not open): toolsrv stays non-dumpable, so that takes CAP_SYS_PTRACE.
+    The tool tries every thread of its parent, toolsrv, as it starts."""
+    for _ in range(3):
+        got = await box.py(PROC_MEM.replace("sys.argv[1]", "str(os.getppid())"))
+        mine = {k: got.pop(k) for k in ("self/environ", "self/mem")}
+        assert mine == {"self/environ": "ok", "self/mem": "ok"}  # positive control
+        assert got and set(got.values()) <= {"EACCES", "EPERM"}, got

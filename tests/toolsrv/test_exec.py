@@ -881,3 +881,15 @@ async def test_the_pipes_give_no_eof_before_the_exit() -> None:
         if proc.returncode is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_executor_keeps_the_process_non_dumpable(executor: Executor) -> None:
+    """While an executor can spawn, its process is non-dumpable (see spawn.Spawner), and
+    it is dumpable again once the executor is closed (a test process must stay usable)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_get_dumpable = 3
+    assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 1
+    assert executor.spawner is not None
+    assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 0
+    executor.close()
+    assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 1
