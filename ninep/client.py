@@ -556,6 +556,89 @@ class Client:
         reply = await self._call(lambda t: Twstat(t, fid, st))
         self._expect(reply, Rwstat)
 
+    async def transact(self, fid: int, data: bytes) -> bytes:
+        """Write ``data`` to ``fid`` from offset 0, then read the answer from offset 0 to
+        its end (a read shorter than asked for), for a request file on which a write
+        holds a request and the next read its answer (toolsrv's ``proc/rpc``, factotum's
+        ``rpc``). The writes and the first read go out in one send: one round trip
+        where write-then-read takes two. ``fid`` must be open for reading and writing.
+
+        A refused write is what this raises, even if the read failed too; a short write
+        raises NinePError. Cancelled while the read waits, the read is flushed (which,
+        on toolsrv, kills the call).
+        """
+        chunk = self.msize - IOHDRSZ
+        sent: list[tuple[int, _Slot]] = []  # (tag, slot): the writes, then the read
+        frames: list[bytes] = []
+        try:
+            for at in range(0, max(len(data), 1), chunk):
+                tag = self._alloc_tag()
+                slot = _Slot()
+                self._slots[tag] = slot
+                sent.append((tag, slot))
+                frames.append(encode(Twrite(tag, fid, at, data[at : at + chunk])))
+            rtag = self._alloc_tag()
+            rslot = _Slot()
+            self._slots[rtag] = rslot
+            sent.append((rtag, rslot))
+            frames.append(encode(Tread(rtag, fid, 0, chunk)))
+            await self._send(b"".join(frames))
+        except BaseException:
+            for tag, slot in sent:
+                if self._slots.get(tag) is slot:
+                    del self._slots[tag]
+                self._free_tag(tag)
+            raise
+        writes = sent[:-1]
+        try:
+            try:
+                await rslot.event.wait()
+            except trio.Cancelled:
+                await self._flush(rtag, rslot)
+                raise
+            self._free_tag(rtag)
+            reply = rslot.reply
+            for _tag, slot in writes:
+                if not slot.event.is_set():  # (a set Event's wait still yields)
+                    await slot.event.wait()
+            for (_tag, slot), at in zip(writes, range(0, max(len(data), 1), chunk), strict=True):
+                wrote = slot.reply
+                if isinstance(wrote, Rerror):
+                    raise NinePError(wrote.ename)
+                if wrote is not None:
+                    want = len(data[at : at + chunk])
+                    count = self._expect(wrote, Rwrite).count
+                    if count != want:
+                        raise NinePError(f"short write: {count} of {want} bytes at {at}")
+            if reply is None:
+                raise self._lost or ConnectionLost()
+            if isinstance(reply, Rerror):
+                raise NinePError(reply.ename)
+            got = self._expect(reply, Rread).data
+        finally:
+            for tag, slot in writes:
+                self._abandon(tag, slot)
+        if len(got) < chunk:
+            return got
+        parts = [got]
+        offset = len(got)
+        while True:
+            more = await self.read(fid, offset, chunk)
+            parts.append(more)
+            offset += len(more)
+            if len(more) < chunk:
+                return b"".join(parts)
+
+    def _abandon(self, tag: int, slot: _Slot) -> None:
+        """Nobody waits for ``slot`` any more: its tag is free now if its reply came (or
+        the connection is gone), else once the reply comes."""
+        if slot.reply is not None or self._lost is not None:
+            if self._slots.get(tag) is slot:
+                del self._slots[tag]
+            self._free_tag(tag)
+        elif self._slots.get(tag) is slot:
+            slot.callback = _ignore
+
     # ---- helpers ----------------------------------------------------------------------
 
     async def _read_to_end(self, fid: int) -> list[bytes]:

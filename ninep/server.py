@@ -8,14 +8,22 @@ negotiation and session reset (version(5)), fid bookkeeping, partial walks (walk
 open-mode checks (open(5)), directory reads in whole entries with the offset rule
 (read(5)), and real cancellation on Tflush (flush(5)).
 
-Concurrency model: the connection's reader task decodes frames in order and starts one
-task per T-message, so a read that blocks (a tool's result, a pipe) does not stall the
-other requests of that connection. Each request runs in its own cancel scope; Tflush
-cancels it, waits for it to finish and only then answers Rflush, and a flushed request
-sends no reply unless its effect had already been committed (then the reply goes first,
-which flush(5) allows). Fid-table changes are made synchronously together with the
-decision to reply, so a client never sees Rflush for a walk whose newfid nevertheless
-exists.
+Concurrency model: the connection's reader task decodes frames in order. A request that
+may wait (the application says which, `FileSystem.waits`: a tool's result, a pipe) gets
+a task of its own, so it does not stall the other requests of that connection. Each such
+request runs in its own cancel scope; Tflush cancels it, waits for it to finish and only
+then answers Rflush, and a flushed request sends no reply unless its effect had already
+been committed (then the reply goes first, which flush(5) allows). Fid-table changes are
+made synchronously together with the decision to reply, so a client never sees Rflush for
+a walk whose newfid nevertheless exists.
+
+Every other request is answered by the reader itself, in frame order, before the next
+frame is decoded: no task, no cancel scope, and its reply waits in an outbox that leaves
+in one write, with the replies of the requests that came in the same read, when the
+reader has no whole frame left (or sooner, ahead of any reply a task sends). A tool call
+was a dozen messages each answered by a task and a write of its own; that bookkeeping,
+not the file system, was most of the server's time. Nothing can overtake a reply in the
+outbox: a Tflush of a request already answered is answered after it, in the same write.
 
 A misbehaving peer (malformed frame, oversize frame, duplicate tag in flight, an
 R-message, too many requests in flight) loses its connection and nothing else: the
@@ -121,6 +129,19 @@ class FileSystem(Protocol[N, H]):
         """The root node for this attach; ``aname`` carries credentials (no Tauth)."""
         ...
 
+    def waits(self, op: int, node: N | None, handle: H | None) -> bool:
+        """Whether answering a T-message of type ``op`` (``codec.TREAD``, ``TWALK``...)
+        on a fid whose node is ``node`` (None for Tattach or an unknown fid) and whose
+        handle is ``handle`` (None unless open) may wait: for data that is not there yet,
+        a lock, a thread, a disk.
+
+        Those that may get a task (concurrency, and Tflush can cancel them); the others
+        are answered by the connection's reader, in frame order, and cannot be flushed
+        (they are done before a Tflush is read). A request said not to wait that waits
+        all the same is still answered right, but holds up the connection meanwhile.
+        """
+        ...
+
     def detach(self, root: N) -> None:
         """Once per successful attach, when that session ends (disconnect or Tversion):
         where an app keeps per-client state (toolsrv's agents), that is where it is
@@ -179,6 +200,9 @@ class BaseFileSystem(FileSystem[N, H]):
     def detach(self, root: N) -> None:
         return None
 
+    def waits(self, op: int, node: N | None, handle: H | None) -> bool:
+        return True  # each request in a task of its own: safe for any application
+
     async def read(self, handle: H, offset: int, count: int) -> bytes:
         raise NinePError(EPERM)
 
@@ -218,13 +242,15 @@ class _Violation(Exception):
 
 
 class _Request:
-    """One T-message in flight: its cancel scope, and whether a reply may still go out."""
+    """One T-message in flight: its cancel scope (None when the reader answers it at
+    once: nothing can cancel it), and whether a reply may still go out."""
 
-    __slots__ = ("_event", "aborted", "committed", "finished", "scope", "tag")
+    __slots__ = ("_event", "aborted", "committed", "finished", "running", "scope", "tag")
 
-    def __init__(self, tag: int) -> None:
+    def __init__(self, tag: int, scope: trio.CancelScope | None) -> None:
         self.tag = tag
-        self.scope = trio.CancelScope()
+        self.scope = scope
+        self.running: trio.Event | None = None  # set when its task starts (`_read_loop`)
         self.aborted = False  # flushed or reset: no reply unless committed
         self.committed = False  # its effect is visible: the reply must go out
         self.finished = False
@@ -304,6 +330,7 @@ class _Conn(Generic[N, H]):
         self.pending: dict[int, _Request] = {}
         self.roots: list[N] = []
         self.send_lock = trio.Lock()
+        self.outbox: list[bytes] = []  # replies of requests answered by the reader
         self.nursery: trio.Nursery | None = None
 
     # ---- connection life ----------------------------------------------------------
@@ -330,11 +357,28 @@ class _Conn(Generic[N, H]):
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
         transport = self.transport
+        frames = transport.frames
         pending = self.pending
         stats = self.stats
+        fids = self.fids
+        waits = self.fs.waits
+        started: _Request | None = None  # the last task started since the outbox went
         while True:
+            limit = self.msize or self.max_msize
             try:
-                frame = await transport.next_frame(self.msize or self.max_msize)
+                frame = frames.next_frame(limit)
+                if frame is None:
+                    if self.outbox:  # nothing more to answer at once: send what we have
+                        if started is not None and started.running is not None:
+                            # ... once the tasks just started ran to their first wait:
+                            # their work (toolsrv: a spawn) does not wait for our write
+                            # and the wakeup of the peer, and a reply they made at once
+                            # goes in the same write. (Waiting for an Event the task sets
+                            # as it starts: the loop runs us again once it yields.)
+                            await started.running.wait()
+                        await self._send(None, None)
+                    started = None
+                    frame = await transport.next_frame(limit)
             except ProtocolError as err:
                 raise _Violation(str(err)) from None
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -353,22 +397,44 @@ class _Conn(Generic[N, H]):
             tag = msg.tag
             if tag in pending:
                 raise _Violation(f"tag {tag} reused while in flight")
-            if len(pending) >= self.max_pending:
-                raise _Violation(f"more than {self.max_pending} requests in flight")
-            req = _Request(tag)
             if isinstance(msg, Tflush):
-                # The target is cancelled now, in frame order, not when the task runs.
                 target = pending.get(msg.oldtag)
-                if target is not None:
-                    target.aborted = True
+                if target is None:
+                    # Nothing to cancel: its reply (if any) is sent or in the outbox,
+                    # and Rflush goes after it.
+                    self.outbox.append(encode(Rflush(tag)))
+                    continue
+                if len(pending) >= self.max_pending:
+                    raise _Violation(f"more than {self.max_pending} requests in flight")
+                # The target is cancelled now, in frame order, not when the task runs.
+                target.aborted = True
+                if target.scope is not None:
                     target.scope.cancel()
+                req = _Request(tag, None)
                 pending[tag] = req
                 stats.in_flight += 1
                 nursery.start_soon(self._flush, req, target)
+                continue
+            n = getattr(msg, "fid", None)
+            fid = fids.get(n) if n is not None else None
+            if fid is None:
+                may_wait = waits(msg.TYPE, None, None)
             else:
-                pending[tag] = req
-                stats.in_flight += 1
-                nursery.start_soon(self._handle, req, msg)
+                may_wait = waits(msg.TYPE, fid.node, fid.handle if fid.state == _OPEN else None)
+            if not may_wait:
+                reply = await self._answer(_Request(tag, None), msg)
+                if reply is not None:  # (always: nothing flushes it meanwhile)
+                    self.outbox.append(self._frame(reply))
+                continue
+            if len(pending) >= self.max_pending:
+                raise _Violation(f"more than {self.max_pending} requests in flight")
+            req = _Request(tag, trio.CancelScope())
+            pending[tag] = req
+            stats.in_flight += 1
+            if self.outbox:
+                req.running = trio.Event()
+            started = req
+            nursery.start_soon(self._handle, req, msg)
 
     async def _reset(self) -> None:
         """Clunk every fid and end every attach: connection end or Tversion."""
@@ -417,9 +483,11 @@ class _Conn(Generic[N, H]):
             return encode(self._rerror(reply.tag, "reply does not fit in msize"))
         return frame
 
-    async def _send(self, frame: bytes, req: _Request | None) -> None:
-        """One whole frame under the lock; a request is retired right before it is sent,
-        so its tag is free again exactly when the client can see the reply."""
+    async def _send(self, frame: bytes | None, req: _Request | None) -> None:
+        """One whole frame under the lock, after whatever the outbox holds (so no reply
+        overtakes one the reader queued); None sends only the outbox. A request is
+        retired right before it is sent, so its tag is free again exactly when the
+        client can see the reply."""
         lock = self.send_lock
         try:
             lock.acquire_nowait()
@@ -429,8 +497,15 @@ class _Conn(Generic[N, H]):
             if req is not None:
                 self._retire(req)
                 if req.aborted and not req.committed:
-                    return
-            await self.transport.send(frame)
+                    frame = None
+            outbox = self.outbox
+            if outbox:
+                if frame is not None:
+                    outbox.append(frame)
+                frame = b"".join(outbox)
+                outbox.clear()
+            if frame is not None:
+                await self.transport.send(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._die()
         finally:
@@ -439,32 +514,34 @@ class _Conn(Generic[N, H]):
     # ---- request tasks ------------------------------------------------------------
 
     async def _handle(self, req: _Request, msg: TMessage) -> None:
+        assert req.scope is not None
+        if req.running is not None:
+            req.running.set()
         reply: RMessage | None = None
         try:
             with req.scope:
-                try:
-                    if not self.msize:
-                        raise NinePError("Tversion must come first")
-                    reply = await self._op(req, msg)
-                except NinePError as err:
-                    reply = self._rerror(msg.tag, err.ename)
-                except Exception:
-                    logger.exception("9P %s failed in the file system", type(msg).__name__)
-                    reply = Rerror(msg.tag, EINTERNAL)
+                reply = await self._answer(req, msg)
             if reply is not None:
                 await self._send(self._frame(reply), req)
         finally:
             self._retire(req)
 
-    async def _flush(self, req: _Request, target: _Request | None) -> None:
-        done = False
+    async def _answer(self, req: _Request, msg: TMessage) -> RMessage | None:
+        """The reply to ``msg`` (None: flushed before it committed anything)."""
         try:
-            with req.scope:
-                if target is not None:
-                    await target.wait()
-                done = True
-            if done:
-                await self._send(encode(Rflush(req.tag)), req)
+            if not self.msize:
+                raise NinePError("Tversion must come first")
+            return await self._op(req, msg)
+        except NinePError as err:
+            return self._rerror(msg.tag, err.ename)
+        except Exception:
+            logger.exception("9P %s failed in the file system", type(msg).__name__)
+            return Rerror(msg.tag, EINTERNAL)
+
+    async def _flush(self, req: _Request, target: _Request) -> None:
+        try:
+            await target.wait()
+            await self._send(encode(Rflush(req.tag)), req)
         finally:
             self._retire(req)
 
@@ -473,7 +550,8 @@ class _Conn(Generic[N, H]):
         reqs = list(self.pending.values())
         for r in reqs:
             r.aborted = True
-            r.scope.cancel()
+            if r.scope is not None:
+                r.scope.cancel()
         for r in reqs:
             await r.wait()
         await self._reset()

@@ -24,7 +24,7 @@ from pathlib import Path
 import trio
 
 from ninep.server import serve_unix
-from toolsrv import keeper
+from toolsrv import keeper, namespaces
 from toolsrv.exec import Executor
 from toolsrv.registry import Registry
 from toolsrv.server import ToolServer
@@ -135,6 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     key = read_key(args)
     keeper.split(args.socket)  # from here on, in the server; the keeper never comes back
+    # Before any thread exists, so that every thread (each tool's spawning thread) starts
+    # with an empty bounding set instead of emptying its own, ~40 syscalls a call.
+    try:
+        if not namespaces.drop_bounding_set():
+            log.debug("no CAP_SETPCAP: the bounding set stays (no_new_privs covers it)")
+    except OSError as err:
+        log.warning("cannot empty the capability bounding set: %s", err.strerror)
     try:
         trio.run(amain, args, key)
     finally:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import select
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -163,9 +165,13 @@ def _caps() -> tuple[_CapHeader, ctypes.Array[_CapData]]:
 def drop_bounding_set() -> bool:
     """Empty this thread's capability bounding set; False if it cannot (no CAP_SETPCAP).
 
-    One credential commit per capability, ~3 µs each: spare threads do it ahead of their
-    job (`toolsrv.exec.spawn.Spare`). As an unprivileged user it cannot be done, and need
-    not be: with no_new_privs an exec never gains a capability, whatever the bounding set.
+    One credential commit per capability, ~4 µs each (160 µs of CPU in all, measured): the
+    toolsrv process does it once, in its only thread, before it starts any other (threads
+    inherit the set, and the server never needs it: it execs nothing but tools), so that
+    spawning threads need not (`bounding_set_empty`); a spare thread of an executor in a
+    process that keeps its set (tests) does it ahead of its job. As an unprivileged user
+    it cannot be done, and need not be: with no_new_privs an exec never gains a capability,
+    whatever the bounding set.
     """
     _hdr, data = _caps()
     if not data[0].effective & (1 << _CAP_SETPCAP):
@@ -173,6 +179,19 @@ def drop_bounding_set() -> bool:
     for cap in range(_last_cap() + 1):
         _check(prctl(_PR_CAPBSET_DROP, cap), f"PR_CAPBSET_DROP {cap}")
     return True
+
+
+def bounding_set_empty() -> bool:
+    """Whether the calling thread's bounding set is empty (CapBnd in /proc): then so is
+    that of every thread it starts."""
+    try:
+        with open("/proc/thread-self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"CapBnd:"):
+                    return int(line.split()[1], 16) == 0
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def drop_all_caps() -> None:
@@ -270,6 +289,7 @@ class _Kept:
     key: NsKey
     fd: int  # the namespace
     pins: list[int]  # O_PATH fds of the plan's paths: their inode numbers stay unique
+    serial: int  # which namespace this is, for those that joined it (fd numbers recur)
 
 
 class MountNsCache:
@@ -299,20 +319,16 @@ class MountNsCache:
         self.size = size
         self._watch = MountWatch()
         self._kept: OrderedDict[NsKey, _Kept] = OrderedDict()
+        self._serials = itertools.count(1)
         self.hits = 0
         self.misses = 0
 
     @staticmethod
-    def key(plan: MountPlan) -> NsKey | None:
-        """The key of ``plan`` now; None if one of its paths is gone."""
-        ids: list[tuple[int, int]] = []
-        for path in plan.paths:
-            try:
-                st = os.stat(path)
-            except OSError:
-                return None
-            ids.append((st.st_dev, st.st_ino))
-        return NsKey(plan, tuple(ids))
+    def key(plan: MountPlan, seen: Ids | None = None) -> NsKey | None:
+        """The key of ``plan`` now; None if one of its paths is gone. ``seen``: identities
+        of some of its paths, taken while the call was prepared (the rest are stat'ed)."""
+        ids = identities(plan.paths, seen)
+        return None if ids is None else NsKey(plan, ids)
 
     def get(self, key: NsKey | None) -> int | None:
         """A kept namespace for ``key`` (still owned by the cache), or None."""
@@ -325,6 +341,12 @@ class MountNsCache:
         self._kept.move_to_end(kept.key)
         self.hits += 1
         return kept.fd
+
+    def serial(self, key: NsKey | None) -> int | None:
+        """Which kept namespace `get` gives for ``key`` now: another one (made again after
+        the first was dropped) has another serial, though maybe the same fd number."""
+        kept = self._kept.get(key) if key is not None else None
+        return kept.serial if kept is not None else None
 
     @staticmethod
     def pin(key: NsKey | None) -> list[int] | None:
@@ -357,7 +379,7 @@ class MountNsCache:
             for pin in pins or ():
                 os.close(pin)
             return
-        self._kept[key] = _Kept(key, fd, pins)
+        self._kept[key] = _Kept(key, fd, pins, next(self._serials))
         while len(self._kept) > self.size:
             _key, old = self._kept.popitem(last=False)
             _close(old)
@@ -454,15 +476,77 @@ def empty_netns() -> int | None:
     return fds[0]
 
 
-def split_hidden(paths: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Existing paths to hide, as (directories, other files)."""
+Ids = dict[str, tuple[int, int]]
+"""(st_dev, st_ino) of real paths, as seen when they were resolved (`resolve`)."""
+
+
+def resolve(path: str, ids: Ids | None = None) -> tuple[str, os.stat_result] | None:
+    """``os.path.realpath`` of a path that exists, and its stat (None if it does not), in
+    four syscalls: the kernel resolves it (open O_PATH), says where it ended
+    (/proc/self/fd) and what it is. The Python realpath costs an lstat and a few string
+    operations per component, and a call resolves its roots and hidden paths every time
+    (a root may have been swapped for a symlink since the last call). ``ids`` gets the
+    identity of the real path, so that no one stats it again for the same call."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc
+            real = ""
+    finally:
+        os.close(fd)
+    if not real.startswith("/") or real.endswith(" (deleted)"):
+        # Removed meanwhile, or not a path of our root: let the library say.
+        real = os.path.realpath(path)
+        try:
+            st = os.stat(real)
+        except OSError:
+            return None
+    if ids is not None:
+        ids[real] = (st.st_dev, st.st_ino)
+    return real, st
+
+
+def identities(paths: Sequence[str], seen: Ids | None = None) -> tuple[tuple[int, int], ...] | None:
+    """(st_dev, st_ino) of each path, from ``seen`` where it has them, else stat'ed now;
+    None if one of them is gone."""
+    ids: list[tuple[int, int]] = []
+    for path in paths:
+        ident = seen.get(path) if seen is not None else None
+        if ident is None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            ident = (st.st_dev, st.st_ino)
+        ids.append(ident)
+    return tuple(ids)
+
+
+def real_path(path: str, ids: Ids | None = None) -> str | None:
+    """The real path of an existing ``path`` (`resolve`), or None."""
+    got = resolve(path, ids)
+    return None if got is None else got[0]
+
+
+def split_hidden(
+    paths: Sequence[str], ids: Ids | None = None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Existing paths to hide, as (directories, other files): real paths."""
     dirs: list[str] = []
     files: list[str] = []
-    for p in map(os.path.realpath, paths):
-        if os.path.isdir(p):
-            dirs.append(p)
-        elif os.path.lexists(p):
-            files.append(p)
+    for path in paths:
+        got = resolve(path, ids)
+        if got is None:
+            continue
+        if stat.S_ISDIR(got[1].st_mode):
+            dirs.append(got[0])
+        else:
+            files.append(got[0])
     # What lies beneath a hidden directory is hidden with it (and no longer there to mount on).
     dirs = [d for d in dirs if not any(o != d and d.startswith(o + os.sep) for o in dirs)]
     files = [f for f in files if not any(f.startswith(d + os.sep) for d in dirs)]

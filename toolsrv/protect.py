@@ -148,11 +148,12 @@ class ProtectedScan:
             self._inotify.close()
             self._inotify = None
 
-    def find(self, roots: Sequence[str]) -> list[str]:
-        """Absolute paths to make read-only for a call with these (real, absolute) roots."""
+    def find(self, roots: Sequence[str], *, drained: bool = False) -> list[str]:
+        """Absolute paths to make read-only for a call with these (real, absolute) roots.
+        ``drained``: the inotify queue was read just now (by `quick`, on this thread)."""
         found: list[str] = []
         for root in roots:
-            for path in self._refresh(root):
+            for path in self._refresh(root, drained):
                 target = _target(path, roots)
                 if target is not None and target not in found:
                     found.append(target)
@@ -174,10 +175,11 @@ class ProtectedScan:
         self._drain()
         if any(tree is None or tree.dirty or not tree.watched for tree in trees):
             return None
-        return self.find(roots)
+        return self.find(roots, drained=True)
 
-    def _refresh(self, root: str) -> list[str]:
-        self._drain()
+    def _refresh(self, root: str, drained: bool = False) -> list[str]:
+        if not drained:
+            self._drain()
         tree = self._trees.get(root)
         if tree is None:
             tree = self._trees[root] = _Tree(watched=self._inotify is not None)

@@ -37,7 +37,7 @@ import re
 import stat
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -279,6 +279,10 @@ class Prepared:
     keep_ns: bool = False  # `enter` keeps the namespace it makes, in ``built_ns_fd``
     built_ns_fd: int | None = None  # owned until taken (see `take_built_ns`)
     owns_ruleset: bool = True  # False: the fd belongs to a `RulesetCache`
+    ruleset_key: tuple[object, ...] | None = None  # its key there, when it is kept
+    ns_serial: int | None = None  # which kept namespace ``mount_ns_fd`` is
+    owns_ns_fds: bool = False  # ``mount_ns_fd`` and ``netns_fd`` are ours (`copy`)
+    ids: namespaces.Ids = field(default_factory=dict)  # identities seen preparing it
 
     @property
     def protect(self) -> tuple[str, ...]:
@@ -299,6 +303,52 @@ class Prepared:
         if self.built_ns_fd is not None:
             os.close(self.built_ns_fd)
             self.built_ns_fd = None
+        if self.owns_ns_fds:
+            for fd in (self.mount_ns_fd, self.netns_fd):
+                if fd is not None:
+                    os.close(fd)
+            self.mount_ns_fd = self.netns_fd = None
+            self.owns_ns_fds = False
+
+    def key(self) -> tuple[object, ...] | None:
+        """What `enter` applies, as a value to compare: two calls whose keys are equal get
+        the same sandbox (the same kept ruleset, the same kept mount namespace, the same
+        network namespace and filter). None when part of it is this call's alone (a ruleset
+        or a namespace not kept): nobody else could have entered it.
+
+        A spawning thread can then enter a call's sandbox ahead of the call
+        (`toolsrv.exec.spawn.Spawner.prestart`), for the next call like it.
+        """
+        if self.ruleset_fd is not None and (self.owns_ruleset or self.ruleset_key is None):
+            return None
+        if self.mounts is not None and (self.mount_ns_fd is None or self.ns_serial is None):
+            return None
+        return (
+            self.ruleset_key,
+            self.mounts,
+            self.ns_serial,
+            self.netns_fd,
+            self.seccomp,
+            self.network,
+        )
+
+    def copy(self) -> Prepared:
+        """The same sandbox with descriptors of its own, for a thread that enters it later
+        (ours may be closed, and their numbers reused, by then); `close` releases them."""
+
+        def dup(fd: int | None) -> int | None:
+            return None if fd is None else os.dup(fd)
+
+        return Prepared(
+            dup(self.ruleset_fd),
+            self.mounts,
+            dup(self.netns_fd),
+            self.seccomp,
+            self.network,
+            mount_ns_fd=dup(self.mount_ns_fd),
+            owns_ruleset=True,
+            owns_ns_fds=True,
+        )
 
     def enter(self, *, bounding_dropped: bool = False) -> None:
         """Restrict the calling thread for good: mounts, network, capabilities, NNP,
@@ -364,15 +414,11 @@ class RulesetCache:
         self._kept.clear()
 
 
-def _ruleset_key(abi: int, network: bool, roots: Sequence[str]) -> tuple[object, ...] | None:
-    ids: list[tuple[int, int]] = []
-    for root in roots:
-        try:
-            st = os.stat(root)
-        except OSError:
-            return None
-        ids.append((st.st_dev, st.st_ino))
-    return (abi, network, tuple(roots), tuple(ids))
+def _ruleset_key(
+    abi: int, network: bool, roots: Sequence[str], seen: namespaces.Ids
+) -> tuple[object, ...] | None:
+    ids = namespaces.identities(roots, seen)
+    return None if ids is None else (abi, network, tuple(roots), ids)
 
 
 def _refusal(name: str) -> str:
@@ -402,7 +448,7 @@ def _beneath(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def clean_roots(roots: Sequence[str]) -> list[str]:
+def clean_roots(roots: Sequence[str], ids: namespaces.Ids | None = None) -> list[str]:
     """Real paths of the roots that exist, without those inside another root.
 
     A root inside another needs no rule nor mount of its own, and must not get one: a tool
@@ -411,8 +457,8 @@ def clean_roots(roots: Sequence[str]) -> list[str]:
     """
     real: list[str] = []
     for root in roots:
-        r = os.path.realpath(root)
-        if not os.path.exists(r):
+        r = namespaces.real_path(root, ids)
+        if r is None:
             log.debug("sandbox: write root %s does not exist, skipped", root)
         elif r not in real:
             real.append(r)
@@ -430,6 +476,8 @@ def prepare(
     netns_fd: int | None = None,
     use_seccomp: bool = True,
     rulesets: RulesetCache | None = None,
+    clean: Sequence[str] | None = None,
+    ids: namespaces.Ids | None = None,
 ) -> Prepared:
     """Build the sandbox of one call in the server (the expensive half).
 
@@ -449,6 +497,9 @@ def prepare(
 
     ``rulesets``: where Landlock rulesets made for the same roots are kept (with mount
     namespaces only: without them the rules depend on a root's entries, listed per call).
+    ``clean``: `clean_roots` of ``write_roots``, when the caller has it already; ``ids``:
+    the identities it saw (`namespaces.resolve`), completed here and kept in ``ids`` of the
+    result, for the keys of the ruleset and of the mount namespace.
 
     ``netns_fd``: the empty network namespace a call without network joins (None: none is
     available; the TCP rules and the seccomp filter still hold). An ``unsandboxed`` profile
@@ -470,15 +521,18 @@ def prepare(
         raise SandboxError(_refusal(profile.name))
     if not profile.network and abi < 4 and netns is None:
         warn_once("tcp", f"Landlock ABI {abi} < 4 and no network namespace: TCP is not denied")
-    roots = clean_roots(write_roots)
+    ids = {} if ids is None else ids
+    roots = clean_roots(write_roots, ids) if clean is None else list(clean)
     use_ns = namespaces.mount_namespaces() if mount_ns is None else mount_ns
     mounts = None
     tops: set[str] = set()
     if use_ns:
         if protect is None:
             protect = ProtectedScan(inotify=False).find(roots)
-        shown = [h for h in hide if not any(_beneath(r, os.path.realpath(h)) for r in roots)]
-        dirs, files = namespaces.split_hidden(shown)
+        dirs, files = namespaces.split_hidden(hide, ids)
+        # A hidden path that holds a root is not hidden (the root would go with it).
+        dirs = tuple(d for d in dirs if not any(_beneath(r, d) for r in roots))
+        files = tuple(f for f in files if not any(_beneath(r, f) for r in roots))
         mounts = namespaces.MountPlan(tuple(roots), tuple(protect), dirs, files)
     else:
         warn_once(
@@ -489,11 +543,22 @@ def prepare(
         tops = {
             r for r in roots if any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES)
         }
-    key = _ruleset_key(abi, profile.network, roots) if rulesets is not None and not tops else None
+    key = None
+    if rulesets is not None and not tops:
+        key = _ruleset_key(abi, profile.network, roots, ids)
     if key is not None and rulesets is not None:
         kept = rulesets.get(key)
         if kept is not None:
-            return Prepared(kept, mounts, netns, filt, profile.network, owns_ruleset=False)
+            return Prepared(
+                kept,
+                mounts,
+                netns,
+                filt,
+                profile.network,
+                owns_ruleset=False,
+                ruleset_key=key,
+                ids=ids,
+            )
     handled_fs = fs_rights(abi)
     attr = _RulesetAttr(handled_fs, 0, 0)
     size = 8
@@ -507,7 +572,7 @@ def prepare(
     # The package's wrapper is typed for its one-field struct; the kernel reads ``size``.
     ptr = ctypes.cast(ctypes.pointer(attr), ctypes.POINTER(RulesetAttr))
     fd = int(_ll("landlock_create_ruleset", lambda: get_create_ruleset()(ptr, size, 0)))
-    prepared = Prepared(fd, mounts, netns, filt, profile.network)
+    prepared = Prepared(fd, mounts, netns, filt, profile.network, ids=ids)
     try:
         _add_rule(fd, "/", FS_READ_EXEC)
         _add_rule(fd, "/dev/null", FS_DEV_NULL & handled_fs, missing_ok=True)
@@ -522,6 +587,7 @@ def prepare(
     if key is not None and rulesets is not None:
         rulesets.put(key, fd)
         prepared.owns_ruleset = False
+        prepared.ruleset_key = key
     return prepared
 
 

@@ -12,12 +12,23 @@ one agent cannot name, let alone read or kill, another agent's procs::
     proc/N/result                blocking read: the CallResult JSON once the call ended
                                  (a read before the call was written waits for it)
     proc/N/ctl                   "kill": the call's whole process group dies
+    proc/rpc                     a call on one fid: write the CallRequest, read the
+                                 CallResult; again and again on the same fid
 
 A blocked ``result`` read that is flushed (Tflush) kills the call, exactly like ``kill``:
 that is how a ``stop`` in olliefs reaches a running tool. A proc disappears once its
 result was read and the reading fid clunked, when ``proc/N`` is removed, or when the
 agent's last connection goes away (its running calls are killed then: a dead client must
 not leave tools running).
+
+``proc/rpc`` is the same call without the bookkeeping, for a client that makes many
+(factotum's ``rpc`` file is the model): on one fid open for reading and writing, a write
+(or several, at offsets 0, then where the last ended) holds the call, and the next read
+starts it and waits for its result; reads at further offsets return the rest of the
+result, until the next write. Write and read go out together, so a call is one round
+trip and two messages, where ``proc/new`` and ``proc/N`` take a dozen (and five round
+trips, made ahead by the client). A refused call is the read's Rerror; a Tflush of the
+read, or the end of the connection, kills the call. No ``proc/N`` is made.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import msgspec
 import trio
 
 from ninep import NinePError
-from ninep.codec import DMDIR, OREAD, OTRUNC, QTDIR, QTFILE, Qid, Stat
+from ninep.codec import DMDIR, OREAD, OTRUNC, QTDIR, QTFILE, TREAD, Qid, Stat
 from ninep.server import BaseFileSystem
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
@@ -53,6 +64,7 @@ from toolsrv.registry import AgentTools, Registry, ToolError, ToolInfo
 log = logging.getLogger(__name__)
 
 MAX_PROCS_PER_AGENT = 256
+MAX_CALL = 64 << 20  # bytes of one call written to proc/rpc (the tool's args, mostly)
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 _json = msgspec.json.Encoder()
 _call_decoder = msgspec.json.Decoder(CallRequest)
@@ -90,6 +102,7 @@ class Agent:
     procs: dict[int, Proc] = field(default_factory=dict)
     next_n: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     connections: int = 0
+    rpcs: int = 0  # calls running through proc/rpc (they have no Proc)
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +127,9 @@ class Handle:
     data: bytes | None = None  # snapshot for small read-only files
     proc: Proc | None = None  # proc/new: the proc this open created
     consumed: bool = False  # proc/N/result: read to its end (the proc goes at clunk)
+    request: bytearray | None = None  # proc/rpc: the call written, not yet started
+    result: bytes | None = None  # proc/rpc: the last call's result
+    running: bool = False  # proc/rpc: a read is running the call
 
 
 class ToolServer(BaseFileSystem[Node, Handle]):
@@ -174,7 +190,23 @@ class ToolServer(BaseFileSystem[Node, Handle]):
     def _perm(node: Node) -> int:
         if node.kind in ("ctl", "call", "procctl"):
             return 0o200
+        if node.kind == "rpc":
+            return 0o600
         return 0o400
+
+    def waits(self, op: int, node: Node | None, handle: Handle | None) -> bool:
+        """Only reads wait: of a result not there yet, and of proc/rpc when they start a
+        call. Everything else here is bookkeeping in memory (and a few stats of the
+        tool dirs), answered by the 9P reader at once."""
+        if op != TREAD or handle is None:
+            return False
+        kind = handle.node.kind
+        if kind == "rpc":
+            return handle.request is not None
+        if kind == "result":
+            proc = handle.node.proc
+            return proc is None or proc.result is None
+        return False
 
     # ---- attach and walk ------------------------------------------------------------
 
@@ -231,8 +263,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
             if name in ("ctl", "loaded", "rev"):
                 return Node(a, name, name)
         elif k == "procdir":
-            if name == "new":
-                return Node(a, "new", "new")
+            if name in ("new", "rpc"):
+                return Node(a, name, name)
             if name.isdigit() and int(name) in a.procs:
                 return Node(a, "proc", name, proc=a.procs[int(name)])
         elif k == "proc":
@@ -260,7 +292,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         elif k == "agent":
             children = [Node(a, f, f) for f in ("ctl", "loaded", "rev")]
         elif k == "procdir":
-            children = [Node(a, "new", "new")] + [
+            children = [Node(a, "new", "new"), Node(a, "rpc", "rpc")] + [
                 Node(a, "proc", str(n), proc=p) for n, p in sorted(a.procs.items())
             ]
         elif k == "proc":
@@ -288,7 +320,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         if node.kind == "new":
             h.proc = self._new_proc(node.agent)
             h.data = f"{h.proc.n}\n".encode()
-        elif node.kind not in ("result",) and reading:
+        elif node.kind not in ("result", "rpc") and reading:
             h.data = self._snapshot(node)
         return h
 
@@ -324,6 +356,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
 
     async def read(self, handle: Handle, offset: int, count: int) -> bytes:
         node = handle.node
+        if node.kind == "rpc":
+            return await self._rpc_read(handle, offset, count)
         if node.kind == "result":
             proc = node.proc
             assert proc is not None
@@ -346,6 +380,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
 
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         node = handle.node
+        if node.kind == "rpc":
+            return self._rpc_write(handle, offset, data)
         try:
             text = data.decode()
         except UnicodeDecodeError:
@@ -387,20 +423,68 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         except ToolError as err:
             raise NinePError(str(err)) from None
 
+    # ---- proc/rpc ---------------------------------------------------------------------
+
+    @staticmethod
+    def _rpc_write(handle: Handle, offset: int, data: bytes) -> int:
+        if handle.running:
+            raise NinePError("a call is running on this fid (one at a time per fid)")
+        if offset == 0:
+            handle.request = bytearray(data)
+        elif handle.request is not None and offset == len(handle.request):
+            handle.request += data
+        else:
+            have = 0 if handle.request is None else len(handle.request)
+            raise NinePError(f"call written at offset {offset}: 0 or {have} expected")
+        if len(handle.request) > MAX_CALL:
+            handle.request = None
+            raise NinePError(f"call too large (more than {MAX_CALL} bytes)")
+        handle.result = None
+        return len(data)
+
+    async def _rpc_read(self, handle: Handle, offset: int, count: int) -> bytes:
+        if handle.running:
+            raise NinePError("the call is still running (one read at a time per fid)")
+        if handle.request is not None:
+            data, handle.request = bytes(handle.request), None
+            agent = handle.node.agent
+            req, info = self._parse_call(agent, data)
+            if agent.rpcs + len(agent.procs) >= MAX_PROCS_PER_AGENT:
+                raise NinePError("too many procs")
+            n = next(agent.next_n)
+            handle.running = True
+            agent.rpcs += 1
+            try:
+                result = await self._execute(agent, info, req)
+            except Exception as err:  # a bug must not take the server down
+                log.exception("call %s/%d failed", agent.id, n)
+                result = CallResult([Content(f"internal error: {type(err).__name__}: {err}")], True)
+            finally:
+                handle.running = False
+                agent.rpcs -= 1
+            handle.result = _json.encode(result)
+        if handle.result is None:
+            raise NinePError("no call written (write the call, then read its result)")
+        return handle.result[offset : offset + count]
+
     # ---- calls ----------------------------------------------------------------------
 
-    def _start(self, proc: Proc, data: bytes) -> None:
-        if proc.started:
-            raise NinePError("call already started (or killed)")
+    def _parse_call(self, agent: Agent, data: bytes) -> tuple[CallRequest, ToolInfo]:
         try:
             req = _call_decoder.decode(data)
         except msgspec.DecodeError as err:
             raise NinePError(f"bad call: {err}") from None
-        if req.tool not in proc.agent.tools.loaded():
+        if req.tool not in agent.tools.loaded():
             raise NinePError(f"tool not loaded: {req.tool}")
         info = self._tool(req.tool)
         if not os.path.isabs(req.cwd) or not os.path.isdir(req.cwd):
             raise NinePError(f"bad call: cwd must be an existing absolute directory: {req.cwd!r}")
+        return req, info
+
+    def _start(self, proc: Proc, data: bytes) -> None:
+        if proc.started:
+            raise NinePError("call already started (or killed)")
+        req, info = self._parse_call(proc.agent, data)
         proc.started = True
         proc.scope = trio.CancelScope()
         self.nursery.start_soon(self._run, proc, info, req, name=f"call {proc.agent.id}/{proc.n}")
@@ -410,7 +494,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         result = CallResult([Content("cancelled: the call was killed before it ended")], True)
         try:
             with proc.scope:
-                result = await self._execute(proc, info, req)
+                result = await self._execute(proc.agent, info, req)
         except Exception as err:  # a bug must not take the server down
             log.exception("call %s/%d failed", proc.agent.id, proc.n)
             result = CallResult([Content(f"internal error: {type(err).__name__}: {err}")], True)
@@ -457,19 +541,19 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         self._profiles[name] = (key, prof)
         return prof
 
-    async def _execute(self, proc: Proc, info: ToolInfo, req: CallRequest) -> CallResult:
+    async def _execute(self, agent: Agent, info: ToolInfo, req: CallRequest) -> CallResult:
         try:
             profile = self.profile(info.sandbox)
         except sandbox.SandboxError as err:
             return CallResult([Content(f"sandbox profile {info.sandbox!r}: {err}")], True)
-        tmp = self.tmp_dir(req, proc.agent)
+        tmp = self.tmp_dir(req, agent)
         timeout = min(info.timeout, profile.timeout_cap)
         try:
             res = await self.executor.run(
                 [info.path],
                 stdin=_json.encode(req.args),
                 cwd=req.cwd,
-                env=self._env(req, proc.agent, tmp),
+                env=self._env(req, agent, tmp),
                 write_roots=[req.cwd],
                 tmp_dir=str(tmp),
                 profile=profile,

@@ -2,7 +2,7 @@
 
 ``ToolsrvConn`` turns the file protocol into calls: ``metas()`` reads ``tools/``,
 ``load``/``unload`` write ``agent/ctl``, ``rev()`` reads ``agent/rev`` and ``call()`` runs
-one tool through ``proc/new`` → ``proc/N/call`` → ``proc/N/result``.
+one tool through ``proc/rpc`` (write the call, read the result, on one fid).
 
 A ``call`` is cancellable: when the awaiting task is cancelled (a session ``stop``), the
 9P client flushes the pending ``result`` read and toolsrv kills the call's process group.
@@ -14,7 +14,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,12 +21,12 @@ import trio
 
 from ninep import NinePError
 from ninep.client import Client, ConnectionLost
-from ninep.codec import OREAD, OWRITE
+from ninep.codec import ORDWR
 from toolsrv.protocol import CallRequest, CallResult, ToolMeta, agent_secret
 
 log = logging.getLogger(__name__)
 
-MAX_WARM = 16  # procs made ahead, per connection (toolsrv keeps at most 256 per agent)
+MAX_WARM = 16  # call fids opened ahead, per connection (toolsrv runs at most 256 per agent)
 _json = msgspec.json.Encoder()
 _result = msgspec.json.Decoder(CallResult)
 _meta = msgspec.json.Decoder(ToolMeta)
@@ -42,35 +41,19 @@ CUT = "toolsrv died; the call was cut"
 """The answer to a call whose toolsrv connection was lost while it ran."""
 
 
-def _first(group: BaseExceptionGroup[NinePError]) -> NinePError:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    assert isinstance(exc, NinePError)
-    return exc
-
-
-@dataclass
-class Slot:
-    """A proc made ready ahead of its call: ``call`` open for writing, ``result`` for reading."""
-
-    n: str
-    call: int
-    result: int
-
-
 class ToolsrvConn:
-    """One agent's attach. ``call`` keeps one proc slot warm (see ``call``)."""
+    """One agent's attach. ``call`` keeps the fids of finished calls (see ``call``)."""
 
-    def __init__(
-        self, client: Client, root: int, agent_id: str, nursery: trio.Nursery | None = None
-    ) -> None:
+    def __init__(self, client: Client, root: int, agent_id: str) -> None:
         self.client = client
         self.root = root
         self.agent_id = agent_id
-        self._nursery = nursery
-        self._slots: list[Slot] = []
-        self._filling: trio.Event | None = None
+        self._idle: list[int] = []  # proc/rpc fids open for reading and writing, free
+
+    @property
+    def idle(self) -> int:
+        """Fids kept open for the next calls."""
+        return len(self._idle)
 
     async def _read(self, path: str) -> bytes:
         try:
@@ -131,139 +114,57 @@ class ToolsrvConn:
     async def call(
         self, tool: str, args: Mapping[str, Any], cwd: str, env: Mapping[str, str]
     ) -> CallResult:
-        """Run one tool; the result JSON of ``proc/N/result``.
+        """Run one tool; the result JSON it answers.
 
-        Making a proc costs five round trips (walk/open/read ``proc/new``, then walk and
-        open ``call`` and ``result`` side by side); the call itself one (write ``call`` and
-        read ``result``, sent together). So that a tool call waits only for that, the
-        connection keeps one proc made ahead: it is taken here, and the next one is made in
-        the background once this call has its result. Clunks are not waited for.
+        A call is one round trip on ``proc/rpc``: the call written and its result read
+        on a fid already open for both (`Client.transact`), two 9P messages in all. The
+        connection keeps the fids of finished calls for the next ones, so only a call
+        that finds none free (the first, or one of several at once) waits for a walk
+        and an open first; ``warm`` opens them ahead for a round of calls.
         """
         c = self.client
         req = _json.encode(CallRequest(tool, dict(args), cwd, dict(env)))
+        fid: int | None = None
         try:
-            slot = await self._take_slot()
-            try:
-                return _result.decode(await self._write_and_read(slot, req))
-            finally:
-                c.clunk_nowait(slot.call)
-                c.clunk_nowait(slot.result)
-                self._refill()
+            fid = self._idle.pop() if self._idle else await self._open_rpc()
+            result = _result.decode(await c.transact(fid, req))
         except NinePError as err:
             if self.client.lost is not None:
                 raise ToolsrvError(CUT) from None
             raise ToolsrvError(f"toolsrv: {tool}: {err.ename}") from None
+        except BaseException:
+            # Cancelled (the read was flushed and the call killed): the fid goes, so
+            # that the next call cannot meet a call still being killed on it.
+            if fid is not None:
+                c.clunk_nowait(fid)
+            raise
+        self._idle.append(fid)
+        return result
 
-    async def _take_slot(self) -> Slot:
-        """A warm slot; or the one being made (it is already on its way); or a new one."""
-        if not self._slots and self._filling is not None:
-            await self._filling.wait()
-        return self._slots.pop() if self._slots else await self._make_slot()
+    async def _open_rpc(self) -> int:
+        c = self.client
+        fid = await c.walk(self.root, ["proc", "rpc"])
+        try:
+            await c.open(fid, ORDWR)
+        except BaseException:
+            c.clunk_nowait(fid)
+            raise
+        return fid
 
     async def warm(self, n: int) -> None:
-        """Have ``n`` slots ready, made side by side (a round of ``n`` calls then waits for
-        five round trips once instead of five per call)."""
-        missing = min(n, MAX_WARM) - len(self._slots)
+        """Have ``n`` fids ready for calls, opened side by side (a round of ``n`` calls
+        at once then waits for two round trips once instead of once per call)."""
+        missing = min(n, MAX_WARM) - len(self._idle)
         if missing <= 0:
             return
 
         async def one() -> None:
             with contextlib.suppress(NinePError):  # the calls will say what is wrong
-                self._slots.append(await self._make_slot())
+                self._idle.append(await self._open_rpc())
 
         async with trio.open_nursery() as nursery:
             for _ in range(missing):
                 nursery.start_soon(one)
-
-    async def _write_and_read(self, slot: Slot, req: bytes) -> bytes:
-        """Write the call and read its result without waiting for the Rwrite in between
-        (toolsrv's result read waits for the call): one round trip less per call. A
-        refused write ends the pending read (flushed) and is what the caller sees."""
-        refused: list[NinePError] = []
-        result = b""
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def write() -> None:
-                    try:
-                        await self.client.write(slot.call, 0, req)
-                    except NinePError as err:
-                        refused.append(err)
-                        nursery.cancel_scope.cancel()
-
-                nursery.start_soon(write)
-                result = await self._read_result(slot.result)
-        except BaseExceptionGroup as group:
-            # The read failed too (the connection went away): one NinePError, not a group.
-            nine, rest = group.split(NinePError)
-            if nine is None or rest is not None:
-                raise
-            raise _first(nine) from None
-        if refused:
-            raise refused[0]
-        return result
-
-    async def _make_slot(self) -> Slot:
-        c = self.client
-        fid = await c.walk(self.root, ["proc", "new"])
-        try:
-            await c.open(fid, OREAD)
-            n = (await c.read(fid, 0, 32)).decode().strip()
-        finally:
-            c.clunk_nowait(fid)
-        fids: dict[str, int] = {}
-
-        async def prep(name: str, mode: int) -> None:
-            f = await c.walk(self.root, ["proc", n, name])
-            fids[name] = f
-            await c.open(f, mode)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(prep, "call", OWRITE)
-                nursery.start_soon(prep, "result", OREAD)
-        except BaseException:
-            for f in fids.values():
-                c.clunk_nowait(f)
-            raise
-        return Slot(n, fids["call"], fids["result"])
-
-    def _refill(self) -> None:
-        """Make the next slot in the background, after a call: by the time the model asks
-        for the next tool it is ready (made while the model was thinking)."""
-        if self._nursery is None or self._filling is not None or self._slots:
-            return
-        filling = trio.Event()
-        try:
-            self._nursery.start_soon(self._fill, filling)
-        except RuntimeError:
-            # The connection's nursery is closed: the daemon is shutting down (or the
-            # link went away) while this call ran, and no next call will want a slot.
-            # Raised from the call's ``finally``, it would hide the call's own outcome.
-            return
-        self._filling = filling
-
-    async def _fill(self, done: trio.Event) -> None:
-        try:
-            slot = await self._make_slot()
-        except NinePError as err:  # the connection is going away; the next call says so
-            log.debug("no warm proc slot: %s", err.ename)
-            return
-        finally:
-            self._filling = None
-            done.set()
-        self._slots.append(slot)
-
-    async def _read_result(self, fid: int) -> bytes:
-        # toolsrv answers the whole result in one read when it fits; a full read means
-        # there may be more.
-        chunk = self.client.iounit
-        buf = bytearray()
-        while True:
-            data = await self.client.read(fid, len(buf), chunk)
-            buf += data
-            if len(data) < chunk:
-                return bytes(buf)
 
 
 @asynccontextmanager
@@ -275,9 +176,7 @@ async def connect(socket_path: str, key: bytes, agent_id: str) -> AsyncIterator[
                 root = await client.attach(agent_id, agent_secret(key, agent_id))
             except NinePError as err:
                 raise ToolsrvError(f"toolsrv: attach refused: {err.ename}") from None
-            async with trio.open_nursery() as nursery:
-                yield ToolsrvConn(client, root, agent_id, nursery)
-                nursery.cancel_scope.cancel()
+            yield ToolsrvConn(client, root, agent_id)
     except OSError as err:
         raise ToolsrvError(f"toolsrv unreachable at {socket_path}: {err.strerror or err}") from None
     except ConnectionLost as err:  # it went away while we said hello

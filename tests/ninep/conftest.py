@@ -65,7 +65,12 @@ class MHandle:
 
 
 class MemFS(BaseFileSystem[MNode, MHandle]):
-    def __init__(self) -> None:
+    """A tree in memory. ``inline``: every request but a read of ``block`` is said not
+    to wait (`waits`), so the server answers it in its reader, as toolsrv's are; by
+    default each request gets a task of its own, as the FUSE tree's do."""
+
+    def __init__(self, *, inline: bool = False) -> None:
+        self.inline = inline
         self._paths = itertools.count(1)
         self._hids = itertools.count(1)
         self.root = MNode("/", next(self._paths), None, {})
@@ -117,6 +122,11 @@ class MemFS(BaseFileSystem[MNode, MHandle]):
         return node
 
     # ---- FileSystem ---------------------------------------------------------------
+
+    def waits(self, op: int, node: MNode | None, handle: MHandle | None) -> bool:
+        if not self.inline:
+            return True
+        return op == c.TREAD and handle is not None and handle.node.kind == "block"
 
     async def attach(self, uname: str, aname: str) -> MNode:
         if aname == "bad":
@@ -267,9 +277,9 @@ def sock_dir(tmp_path: os.PathLike[str]) -> Iterator[str]:
         yield d
 
 
-@pytest.fixture
-async def served(nursery: trio.Nursery, sock_dir: str) -> Served:
-    fs = MemFS()
+@pytest.fixture(params=[False, True], ids=["tasks", "inline"])
+async def served(nursery: trio.Nursery, sock_dir: str, request: pytest.FixtureRequest) -> Served:
+    fs = MemFS(inline=request.param)
     stats = ServerStats()
     path = os.path.join(sock_dir, "9p.sock")
     await nursery.start(

@@ -262,7 +262,7 @@ class _MFid:
 class _Hostile:
     """One hostile connection, and the model of what the server holds for it."""
 
-    def __init__(self, stream: trio.SocketStream, block_path: int) -> None:
+    def __init__(self, stream: trio.SocketStream, block_path: int, inline: bool) -> None:
         self.stream = stream
         self.block_path = block_path
         self.replies: list[c.Message] = []
@@ -275,6 +275,10 @@ class _Hostile:
         self.pending: dict[int, c.TMessage] = {}  # sent, not answered, not flushed
         self.reads: dict[int, _MFid | None] = {}  # pending Tread tag -> its fid then
         self.aborted: set[int] = set()  # flushed or reset: must never be answered
+        self.inline = inline  # the file system answers all but reads of block at once
+        # Pending requests the server answers before it reads the next frame: a later
+        # Tflush or Tversion cannot abort them, their reply comes first (flush(5)).
+        self.immediate: set[int] = set()
         self.version: c.Tversion | None = None
         self.must_close = False  # something was sent that the server must hang up on
         self.next_tag = 0
@@ -302,7 +306,7 @@ class _Hostile:
         """Send ``msgs`` in one write; the model follows the server's frame-time rules
         (a Tflush aborts its target when the Tflush frame is read, not later)."""
         out = []
-        flushed_now = 0  # aborted targets stay in the server's table until they run
+        flushed_now: set[int] = set()  # aborted targets stay in the server's table until they run
         for m in msgs:
             frame = c.encode(m)
             out.append(frame)
@@ -311,24 +315,42 @@ class _Hostile:
                 self.must_close = True
                 break
             if isinstance(m, c.Tversion):
-                self.aborted.update(self.pending)
-                self.pending.clear()
-                self.reads.clear()
+                for tag in [t for t in self.pending if t not in self.immediate]:
+                    del self.pending[tag]
+                    self.reads.pop(tag, None)
+                    self.aborted.add(tag)
                 self.version = m
                 continue
-            if m.tag in self.pending or len(self.pending) + flushed_now >= FUZZ_PENDING:
-                event("violation: " + ("tag reused" if m.tag in self.pending else "too many"))
+            now = self._at_once(m, flushed_now)
+            waiting = sum(t not in self.immediate for t in self.pending) + len(flushed_now)
+            reused = m.tag in self.pending and m.tag not in self.immediate
+            if reused or (not now and waiting >= FUZZ_PENDING):
+                event("violation: " + ("tag reused" if reused else "too many"))
                 self.must_close = True
                 break
-            if isinstance(m, c.Tflush) and m.oldtag in self.pending:
+            if isinstance(m, c.Tflush) and not now and m.oldtag in self.pending:
                 del self.pending[m.oldtag]
                 self.reads.pop(m.oldtag, None)
                 self.aborted.add(m.oldtag)
-                flushed_now += 1
+                flushed_now.add(m.oldtag)
             self.pending[m.tag] = m
+            if now:
+                self.immediate.add(m.tag)
             if isinstance(m, c.Tread):
                 self.reads[m.tag] = self.fids.get(m.fid)
         await self.stream.send_all(b"".join(out))
+
+    def _at_once(self, m: c.TMessage, flushed_now: set[int]) -> bool:
+        """Whether the server answers ``m`` in its reader, before the next frame.
+        ``flushed_now``: requests aborted in this burst, still in the server's table."""
+        if isinstance(m, c.Tflush):  # nothing to wait for: its target is answered
+            if m.oldtag in flushed_now:
+                return False
+            return m.oldtag not in self.pending or m.oldtag in self.immediate
+        if not self.inline:
+            return False
+        f = self.fids.get(m.fid) if isinstance(m, c.Tread) else None
+        return not (f is not None and f.open and f.qpath == self.block_path)
 
     def absorb(self) -> None:
         """Take in the replies that came, checking each against the request it answers."""
@@ -341,6 +363,7 @@ class _Hostile:
                 continue
             assert r.tag not in self.aborted, f"a flushed request was answered: {r}"
             req = self.pending.pop(r.tag)  # KeyError: an answer to nothing we sent
+            self.immediate.discard(r.tag)
             self.reads.pop(r.tag, None)
             self._answered(req, r)
 
@@ -566,7 +589,7 @@ async def _end(h: _Hostile, w: _World, data: st.DataObject) -> None:
 
 
 async def _hostile_session(data: st.DataObject) -> None:
-    fs = _FuzzFS()
+    fs = _FuzzFS(inline=data.draw(st.booleans(), label="inline"))
     fs.mkdir(fs.root, "baddir")
     keep = fs.mkdir(fs.root, KEEP)
     fs.file("ro", KEEP_TEXT, parent=keep)
@@ -596,7 +619,7 @@ async def _hostile_session(data: st.DataObject) -> None:
             hostile_end, server_end = _socketpair()
             async with hostile_end:  # ours to close, whoever hangs up first
                 nursery.start_soon(serve, server_end)
-                h = _Hostile(hostile_end, block_path)
+                h = _Hostile(hostile_end, block_path, fs.inline)
                 nursery.start_soon(h.read_replies)
                 await settle()
                 w.base_tasks = _count_tasks()

@@ -184,3 +184,67 @@ async def test_a_handle_may_be_none() -> None:
         assert isinstance(await r.rpc(c.Twalk(7, 0, 2, ("f",))), c.Rwalk)
         n.cancel_scope.cancel()
     assert stats.handles == 0 and fs.clunks == fs.opens
+
+
+class _CountingStream(trio.abc.Stream):
+    """The server's end of a memory stream, counting the writes the server makes."""
+
+    def __init__(self, inner: trio.abc.Stream, fs: MemFS) -> None:
+        self.inner = inner
+        self.fs = fs
+        self.writes = 0
+        self.block_started_at_write: list[bool] = []
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes += 1
+        self.block_started_at_write.append(self.fs.block_started.is_set())
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_requests_that_cannot_wait_are_answered_in_order_in_one_write() -> None:
+    """A pipelined walk, open, read and clunk of one fid (and a Tflush of the read, which
+    is already answered) work as if sent one by one, and their replies leave together;
+    a blocked read in flight is not held up by them, nor they by it."""
+    fs = MemFS(inline=True)
+    a, b = trio.testing.memory_stream_pair()
+    counted = _CountingStream(b, fs)
+    async with trio.open_nursery() as n:
+        n.start_soon(serve_connection, counted, fs)
+        r = Raw(a)
+        await r.version()
+        await r.attach(0)
+        await r.walk_open(0, 1, ("block",), c.OREAD)
+        await r.send(c.Tread(9, 1, 0, 5))
+        await fs.block_started.wait()
+        before = counted.writes
+        await r.send(
+            c.Twalk(1, 0, 5, ("hello",)),
+            c.Topen(2, 5, c.OREAD),
+            c.Tread(3, 5, 0, 100),
+            c.Tclunk(4, 5),
+            c.Tflush(5, 3),
+        )
+        replies = [await r.recv() for _ in range(5)]
+        assert [type(m) for m in replies] == [c.Rwalk, c.Ropen, c.Rread, c.Rclunk, c.Rflush]
+        assert replies[2] == c.Rread(3, b"hello world\n")
+        assert counted.writes == before + 1
+        assert await r.rpc(c.Tflush(6, 9)) == c.Rflush(6)  # the blocked read, flushed
+        assert fs.cancelled_reads == 1
+        # A reply made at once waits for a task started after it in the same batch, but
+        # only until that task first waits, not until it ends.
+        fs.block_started = trio.Event()
+        await r.send(c.Twalk(7, 0, 8, ("hello",)), c.Tread(10, 1, 0, 5))
+        assert isinstance(await r.recv(), c.Rwalk)
+        assert counted.block_started_at_write[-1]  # the read had started, and waits
+        assert await r.rpc(c.Tflush(11, 10)) == c.Rflush(11)
+        n.cancel_scope.cancel()
+    fs.assert_all_clunked()

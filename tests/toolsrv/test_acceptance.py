@@ -17,12 +17,15 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from ninep import NinePError
+from ninep.client import Client
 from ninep.codec import OREAD, OWRITE
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
 from tests.toolsrv.harness import ToolsrvProc, pid_alive, running_toolsrv, tool_env
 from toolsrv.exec import cgroup
+from toolsrv.protocol import agent_secret
 from toolsrv.sandbox import landlock_abi
 
 pytestmark = pytest.mark.skipif(
@@ -275,6 +278,42 @@ async def test_flush_of_the_result_read_kills_the_call(srv: ToolsrvProc, work: P
     assert procs_in(work) == []
 
 
+async def test_flush_of_a_proc_result_read_kills_the_call(srv: ToolsrvProc, work: Path) -> None:
+    """The same through proc/N (SPEC 5), where the call runs apart from the read."""
+    async with srv.agent("a1", "sh_long") as conn:
+        c = conn.client
+        n = await start_call(conn, "sh_long", {"code": STUBBORN}, work)
+        pids = await wait_pids(work)
+        fid = await c.walk(conn.root, ["proc", n, "result"])
+        await c.open(fid, OREAD)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.read, fid, 0, 4096)
+            await trio.testing.wait_all_tasks_blocked()  # the Tread is sent
+            nursery.cancel_scope.cancel()  # Tflush of the pending result read
+        await assert_all_gone(pids)
+    assert procs_in(work) == []
+
+
+async def test_lost_connection_kills_its_rpc_calls(srv: ToolsrvProc, work: Path) -> None:
+    """A client gone in the middle of a proc/rpc call (no Tflush: its socket closed)."""
+    stream = await trio.open_unix_socket(srv.socket)
+    async with Client.connect(stream) as c:
+        root = await c.attach("a1", agent_secret(srv.key, "a1"))
+        conn = ToolsrvConn(c, root, "a1")
+        await conn.ctl("load sh_long\n")
+        async with trio.open_nursery() as nursery:
+
+            async def doomed() -> None:
+                with pytest.raises(ToolsrvError, match="toolsrv died"):
+                    await sh(conn, work, STUBBORN, "sh_long")
+
+            nursery.start_soon(doomed)
+            pids = await wait_pids(work)
+            await trio.aclose_forcefully(stream)
+    await assert_all_gone(pids)
+    assert procs_in(work) == []
+
+
 async def test_timeout_kills_the_group(srv: ToolsrvProc, work: Path) -> None:
     async with srv.agent("a1", "sh_quick") as conn:
         out = await sh(conn, work, STUBBORN, tool="sh_quick")
@@ -295,9 +334,6 @@ async def test_attach_needs_the_agents_secret(srv: ToolsrvProc) -> None:
         async with connect(srv.socket, b"x" * 32, "a1"):
             pass
     # Another agent's secret does not open this agent either.
-    from ninep.client import Client
-    from toolsrv.protocol import agent_secret
-
     async with Client.connect_unix(srv.socket) as c:
         with pytest.raises(NinePError):
             await c.attach("a1", agent_secret(srv.key, "a2"))
@@ -313,7 +349,7 @@ async def test_agents_do_not_see_each_others_procs(srv: ToolsrvProc, work: Path)
         n = (await a.client.read(fid, 0, 64)).decode().strip()
         names = [st.name for st in await a.client.listdir(a.root, "proc")]
         assert n in names
-        assert [st.name for st in await b.client.listdir(b.root, "proc")] == ["new"]
+        assert [st.name for st in await b.client.listdir(b.root, "proc")] == ["new", "rpc"]
         with pytest.raises(NinePError):
             await b.client.walk(b.root, ["proc", n, "ctl"])
         await a.client.clunk(fid)

@@ -452,3 +452,123 @@ async def test_the_shipped_tools_still_work_in_the_sandbox(box: Box) -> None:
     )
     assert out.split() == ["b", "c", "d", "e"], out
     assert stat.S_ISREG((box.work / "deep" / "er" / "f").stat().st_mode)
+
+
+async def in_dir(box: Box, cwd: Path, code: str, *args: str, tool: str = "sh") -> dict[str, str]:
+    """``Box.py`` for a call whose cwd (and so write root) is ``cwd``."""
+    argv = shlex.join(["python3", "-c", textwrap.dedent(code), *args])
+    res = await box.conn.call(tool, {"code": argv}, str(cwd), tool_env(cwd))
+    assert not res.isError, res.text
+    return dict(line.rsplit(" ", 1) for line in res.text.splitlines() if " " in line)
+
+
+# Every wall at once, aimed at ``target`` (a directory): writes, metadata, a nested .git,
+# UDP. Prints "<what> ok" or "<what> <ERRNO>".
+EVERY_WALL = (
+    TRY
+    + """
+target, port = sys.argv[1], int(sys.argv[2])
+f = os.path.join(target, "victim")
+attempt("write", lambda: open(os.path.join(target, "new"), "w").write("x"))
+attempt("chmod", lambda: os.chmod(f, 0o777))
+attempt("chown", lambda: os.chown(f, 65534, 65534))
+attempt("utime", lambda: os.utime(f, (978307200, 978307200)))
+attempt("hook", lambda: open(os.path.join(target, "repo/.git/hooks/x"), "w").write("x"))
+attempt("udp", lambda: socket.socket(type=socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", port)))
+"""
+)
+
+
+@needs_ns
+async def test_a_call_never_runs_in_the_sandbox_entered_for_another(
+    box: Box, tmp_path: Path
+) -> None:
+    """toolsrv enters the sandbox of each call ahead, for the next call like it
+    (`Spawner.prestart`). A call whose sandbox differs (another cwd, another profile, a
+    .git made since) must get its own: from each such call, every wall is tried against
+    what the sandbox entered ahead would have allowed."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        (d / "repo").mkdir(parents=True)
+        (d / "victim").write_text("precious\n")
+        (d / "victim").chmod(0o644)
+    with socket.socket(type=socket.SOCK_DGRAM) as host:
+        host.bind(("127.0.0.1", 0))
+        host.setblocking(False)
+        port = str(host.getsockname()[1])
+        # Calls in ``one`` with the network profile: one's sandbox is entered ahead.
+        for _ in range(3):
+            got = await in_dir(box, one, EVERY_WALL, str(one), port, tool="sh_net")
+            assert got["write"] == got["chmod"] == got["utime"] == got["udp"] == "ok", got
+        assert host.recv(16) == b"x"
+        while True:  # (drain the three)
+            try:
+                host.recv(16)
+            except BlockingIOError:
+                break
+        before = snapshot(one / "victim")
+        (one / "new").unlink()
+        # Another cwd, the default profile: nothing of ``one``, no network.
+        got = await in_dir(box, two, EVERY_WALL, str(one), port)
+        assert got["hook"] in ("ENOENT", "EROFS", "EACCES"), got
+        del got["hook"]  # (one/repo has no .git yet)
+        assert set(got.values()) <= {"EROFS", "EACCES", "EPERM", "EAFNOSUPPORT"}, got
+        assert snapshot(one / "victim") == before and not (one / "new").exists()
+        with pytest.raises(BlockingIOError):
+            host.recv(16)
+        # Positive control: the same call reaches its own cwd.
+        got = await in_dir(box, two, EVERY_WALL, str(two), port)
+        assert got["write"] == got["chmod"] == got["utime"] == "ok", got
+        assert got["udp"] != "ok"
+        # The default profile in ``one`` itself, right after network calls there: no UDP.
+        got = await in_dir(box, one, EVERY_WALL, str(one), port)
+        assert got["write"] == "ok" and got["udp"] != "ok", got
+        with pytest.raises(BlockingIOError):
+            host.recv(16)
+    # A .git made in ``one`` between two calls: protected from the next call on, though
+    # the sandbox entered ahead for ``one`` was made before it existed.
+    got = await in_dir(box, one, TRY + "attempt('touch', lambda: open('repo/f', 'w'))\n")
+    assert got == {"touch": "ok"}
+    (one / "repo" / ".git" / "hooks").mkdir(parents=True)
+    got = await in_dir(box, one, EVERY_WALL, str(one), "9")
+    assert got["hook"] in ("EROFS", "EACCES") and got["write"] == "ok", got
+    assert list((one / "repo" / ".git" / "hooks").iterdir()) == []
+    # Moved away and back (the same directory: the namespace made for it is still kept),
+    # right after calls without it: the sandbox entered ahead then is not the one to use.
+    for _ in range(2):
+        got = await in_dir(box, one, EVERY_WALL, str(one), "9")
+        assert got["hook"] in ("EROFS", "EACCES"), got
+    (one / "repo" / ".git").rename(one / "repo" / "git")
+    for _ in range(3):
+        got = await in_dir(box, one, EVERY_WALL, str(one), "9")
+        assert got["hook"] == "ENOENT", got
+    (one / "repo" / "git").rename(one / "repo" / ".git")
+    got = await in_dir(box, one, EVERY_WALL, str(one), "9")
+    assert got["hook"] in ("EROFS", "EACCES") and got["write"] == "ok", got
+    assert list((one / "repo" / ".git" / "hooks").iterdir()) == []
+
+
+# Opens the environ and mem of each thread of a process, and of the tool itself.
+PROC_MEM = (
+    TRY
+    + """
+pid = sys.argv[1]
+for tid in os.listdir(f"/proc/{pid}/task"):
+    for what in ("environ", "mem"):
+        attempt(f"{tid}/{what}", lambda p=f"/proc/{pid}/task/{tid}/{what}": open(p, "rb").close())
+attempt("self/environ", lambda: open("/proc/self/environ", "rb").close())
+attempt("self/mem", lambda: open("/proc/self/mem", "rb").close())
+"""
+)
+
+
+async def test_toolsrv_memory_out_of_reach(box: Box) -> None:
+    """toolsrv holds the master key; its spawning thread lives on for moments in the
+    tool's Landlock domain, and a tool may open /proc/<pid>/mem of its domain (seccomp
+    refuses ptrace, not open): toolsrv stays non-dumpable, so that takes CAP_SYS_PTRACE.
+    The tool tries every thread of its parent, toolsrv, as it starts."""
+    for _ in range(3):
+        got = await box.py(PROC_MEM.replace("sys.argv[1]", "str(os.getppid())"))
+        mine = {k: got.pop(k) for k in ("self/environ", "self/mem")}
+        assert mine == {"self/environ": "ok", "self/mem": "ok"}  # positive control
+        assert got and set(got.values()) <= {"EACCES", "EPERM"}, got

@@ -852,3 +852,44 @@ async def test_a_host_mount_change_drops_the_kept_namespaces(exec_box: Box) -> N
         assert res.stdout == b"yes"
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+async def test_the_pipes_give_no_eof_before_the_exit() -> None:
+    """The server keeps its copies of the output pipes' write ends (`Watch` ``held``), so
+    a tool closing stdout and stderr before it exits (as every program does at exit)
+    wakes the pump once, for the exit; the output is complete after `release`."""
+    from toolsrv.exec.capture import Watch, exit_fd
+
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    code = "import os; os.write(1, b'out'); os.write(2, b'err'); os.close(1); os.close(2)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=out_w, stderr=err_w)
+    pidfd = exit_fd(proc.pid)
+    watch = Watch(out_r, err_r, None, memoryview(b""), pidfd, 100, held=(out_w, err_w))
+    try:
+        with trio.fail_after(20):
+            await watch.pump(until_exit=True)
+        assert watch.exited and set(watch.readers) == {out_r, err_r}  # no EOF seen
+        proc.wait()
+        watch.release()
+        watch.drain()
+        assert not watch.readers  # EOF on both, without waiting
+        assert (bytes(watch.out.buf), bytes(watch.err.buf)) == (b"out", b"err")
+    finally:
+        watch.close()
+        os.close(pidfd)
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_executor_keeps_the_process_non_dumpable(executor: Executor) -> None:
+    """While an executor can spawn, its process is non-dumpable (see spawn.Spawner), and
+    it is dumpable again once the executor is closed (a test process must stay usable)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_get_dumpable = 3
+    assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 1
+    assert executor.spawner is not None
+    assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 0
+    executor.close()
+    assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 1

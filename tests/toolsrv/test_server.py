@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from ninep import NinePError
-from ninep.codec import OREAD, OWRITE
+from ninep.codec import ORDWR, OREAD, OWRITE
 from olliefs.toolclient.client import ToolsrvConn
 from tests.toolsrv.harness import ToolsrvProc, running_toolsrv, tool_env
 from toolsrv.sandbox import landlock_abi
@@ -92,7 +92,7 @@ async def test_proc_life_cycle(srv: ToolsrvProc, tmp_path: Path) -> None:
         assert n1 not in {st.name for st in await c.listdir(root, "proc")}
         fid = await c.walk(root, ["proc", n2])
         await c.remove(fid)
-        assert {st.name for st in await c.listdir(root, "proc")} == {"new"}
+        assert {st.name for st in await c.listdir(root, "proc")} == {"new", "rpc"}
 
 
 async def test_call_errors_come_back_as_results(srv: ToolsrvProc, tmp_path: Path) -> None:
@@ -140,20 +140,79 @@ async def test_result_read_before_the_call_waits_for_it(srv: ToolsrvProc, tmp_pa
         assert result["isError"] and "before it started" in result["content"][0]["text"]
 
 
-async def test_warm_slots_serve_the_next_calls(srv: ToolsrvProc, tmp_path: Path) -> None:
+async def test_warm_fids_serve_the_next_calls(srv: ToolsrvProc, tmp_path: Path) -> None:
     work = tmp_path / "w"
     work.mkdir()
     async with srv.agent("a1", "reasoning_think") as conn:
         await conn.warm(3)
+        assert conn.idle == 3
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(
+                    conn.call, "reasoning_think", {"thought": "x"}, str(work), tool_env(work)
+                )
+        # The three calls ran side by side on the three fids opened ahead, and left
+        # them for the next calls; no proc/N was made for them.
+        assert conn.idle == 3
         names = {st.name for st in await conn.client.listdir(conn.root, "proc")}
-        assert names == {"new", "1", "2", "3"}
-        for _ in range(3):
-            await conn.call("reasoning_think", {"thought": "x"}, str(work), tool_env(work))
-        # The three calls used the three procs made ahead (and left), no new one was made
-        # on their way; one is being made in the background for the next call.
-        with trio.fail_after(10):
-            while True:
-                names = {st.name for st in await conn.client.listdir(conn.root, "proc")}
-                if names == {"new", "4"}:
-                    break
-                await trio.sleep(0.01)
+        assert names == {"new", "rpc"}
+
+
+async def rpc_fid(conn: ToolsrvConn) -> int:
+    fid = await conn.client.walk(conn.root, ["proc", "rpc"])
+    await conn.client.open(fid, ORDWR)
+    return fid
+
+
+async def test_rpc_calls_one_after_another_on_one_fid(srv: ToolsrvProc, tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    async with srv.agent("a1", "reasoning_think", "file_read") as conn:
+        c = conn.client
+        fid = await rpc_fid(conn)
+        with pytest.raises(NinePError, match="no call written"):
+            await c.read(fid, 0, 100)
+        (work / "f").write_text("line one\n")
+        for thought in ("a", "b"):
+            call = {"tool": "reasoning_think", "args": {"thought": thought}, "cwd": str(work)}
+            got = json.loads(await c.transact(fid, json.dumps(call).encode()))
+            assert got["isError"] is False
+            # The result stays readable, at any offset, until the next call is written.
+            again = await c.read(fid, 2, 100)
+            assert again == json.dumps(got, separators=(",", ":")).encode()[2:]
+        call = {"tool": "file_read", "args": {"path": "f"}, "cwd": str(work)}
+        got = json.loads(await c.transact(fid, json.dumps(call).encode()))
+        if landlock_abi():
+            assert "line one" in got["content"][0]["text"]
+        # A refused call is the read's error; the fid serves the next call all the same.
+        for bad, why in (
+            (b"{not json", "bad call"),
+            (b'{"tool": "execute_code", "cwd": "/"}', "not loaded"),
+            (b'{"tool": "file_read", "cwd": "relative"}', "absolute directory"),
+        ):
+            with pytest.raises(NinePError, match=why):
+                await c.transact(fid, bad)
+        with pytest.raises(NinePError, match="offset 7"):
+            await c.write(fid, 7, b"{}")
+        got = json.loads(await c.transact(fid, json.dumps(call).encode()))
+        assert got["isError"] is not True or not landlock_abi()
+        names = {st.name for st in await c.listdir(conn.root, "proc")}
+        assert names == {"new", "rpc"}  # no proc/N for these
+
+
+async def test_rpc_call_larger_than_a_message(srv: ToolsrvProc, tmp_path: Path) -> None:
+    """A call (its args) and a result longer than one 9P message each go in pieces."""
+    work = tmp_path / "w"
+    work.mkdir()
+    text = "".join(f"{i:07d} the quick brown fox\n" for i in range(20_000))  # ~600 KB
+    async with srv.agent("a1", "file_write", "file_read") as conn:
+        assert len(text) > 4 * conn.client.iounit
+        env = tool_env(work)
+        res = await conn.call("file_write", {"path": "big.txt", "content": text}, str(work), env)
+        if not landlock_abi():
+            return
+        assert not res.isError, res.text
+        assert (work / "big.txt").read_text() == text
+        res = await conn.call("file_read", {"path": "big.txt", "limit": 20_000}, str(work), env)
+        assert not res.isError and "0019999 the quick brown fox" in res.text
+        assert len(res.text) > 4 * conn.client.iounit

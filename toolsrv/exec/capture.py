@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import threading
@@ -36,16 +37,29 @@ class Watch:
     """
 
     def __init__(
-        self, out_r: int, err_r: int, in_w: int | None, rest: memoryview, exit_fd: int, cap: int
+        self,
+        out_r: int,
+        err_r: int,
+        in_w: int | None,
+        rest: memoryview,
+        exit_fd: int,
+        cap: int,
+        held: tuple[int, ...] = (),
     ) -> None:
+        """``held``: our copies of the pipes' write ends, kept open (and closed here) so
+        that the pipes give no EOF before the leader's exit (`release`): a tool's exit
+        then wakes the server once, not three times (stdout closed, stderr closed, gone)."""
         self.ep = select.epoll()
+        self.held = list(held)
         self.out, self.err = Capture(cap), Capture(cap)
         self.readers = {out_r: self.out, err_r: self.err}
         self.writer, self.rest = in_w, rest
         self.exit_fd: int | None = exit_fd
         self.exited = False
+        self._nowait = True  # reads past the first of a wakeup ask for RWF_NOWAIT
         for fd in (out_r, err_r):
-            os.set_blocking(fd, False)
+            # Left blocking: the first read after epoll says readable cannot block, and
+            # further ones (a chatty tool) say RWF_NOWAIT; two ioctls a call saved.
             self.ep.register(fd, select.EPOLLIN)
         self.ep.register(exit_fd, select.EPOLLIN)
         if in_w is not None:
@@ -65,6 +79,28 @@ class Watch:
                 elif fd in self.readers:
                     self._read(fd)
 
+    def release(self) -> None:
+        """Close our write ends: EOF comes once no process of the call holds the pipes."""
+        for fd in self.held:
+            os.close(fd)
+        self.held.clear()
+
+    def drain(self) -> None:
+        """Read what the pipes hold, without waiting (after `release`, and the call's
+        processes dead, that is usually all of it, up to EOF)."""
+        for fd in list(self.readers):
+            capture = self.readers[fd]
+            while True:
+                try:
+                    chunk = self._more(fd)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    os.close(fd)
+                    del self.readers[fd]
+                    break
+                capture.add(chunk)
+
     def forget_exit(self) -> None:
         """Stop watching the exit fd (its owner closes it)."""
         if self.exit_fd is not None:
@@ -73,17 +109,33 @@ class Watch:
 
     def _read(self, fd: int) -> None:
         capture = self.readers[fd]
+        chunk = os.read(fd, CHUNK)  # readable (epoll said so, and only we read it)
         for _ in range(16):
-            try:
-                chunk = os.read(fd, CHUNK)
-            except BlockingIOError:
-                return
             if not chunk:
-                self.ep.unregister(fd)
-                os.close(fd)
+                os.close(fd)  # (which takes it out of the epoll set)
                 del self.readers[fd]
                 return
             capture.add(chunk)
+            if len(chunk) < CHUNK:
+                return
+            try:
+                chunk = self._more(fd)
+            except BlockingIOError:
+                return
+
+    def _more(self, fd: int) -> bytes:
+        """Another read, which must not block (BlockingIOError if nothing is there)."""
+        if self._nowait:
+            buf = bytearray(CHUNK)
+            try:
+                return bytes(buf[: os.preadv(fd, [buf], -1, os.RWF_NOWAIT)])
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self._nowait = False  # a kernel without RWF_NOWAIT on pipes
+        for reader in self.readers:
+            os.set_blocking(reader, False)
+        return os.read(fd, CHUNK)
 
     def _write(self) -> None:
         """Stdin that did not fit in the pipe up front. A tool that exits without reading
@@ -101,6 +153,7 @@ class Watch:
             self.writer = None
 
     def close(self) -> None:
+        self.release()
         trio.lowlevel.notify_closing(self.ep.fileno())
         self.ep.close()
         for fd in [*self.readers, *([self.writer] if self.writer is not None else [])]:
@@ -115,6 +168,9 @@ def prefill(fd: int, data: bytes) -> memoryview:
     view = memoryview(data)
     if not view:
         return view
+    if len(view) <= select.PIPE_BUF:
+        # Into an empty pipe, whatever its size: written whole, at once (one syscall).
+        return view[os.write(fd, view) :]
     os.set_blocking(fd, False)
     try:
         n = os.write(fd, view)

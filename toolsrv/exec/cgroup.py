@@ -29,6 +29,13 @@ class Cgroup:
     path: str
     join_fd: int  # v1: tasks (a thread id joins), v2: cgroup.procs (a pid joins)
     pids_max: int = 0
+    current_fd: int = -1  # v1: pids.current, read again with pread (kept across calls)
+
+    def close(self) -> None:
+        for fd in (self.join_fd, self.current_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.join_fd = self.current_fd = -1
 
 
 class CgroupBackend:
@@ -90,8 +97,7 @@ class CgroupBackend:
         """Processes in the cgroup. Our own pid shows in v1 while the spawning thread is
         still in there: it is excluded, so it is never killed nor waited for."""
         try:
-            with open(os.path.join(cg.path, "cgroup.procs"), "rb") as f:
-                data = f.read()
+            data = read_seq(os.path.join(cg.path, "cgroup.procs"))
         except FileNotFoundError:
             return []
         return [p for p in map(int, data.split()) if p != self._me]
@@ -103,6 +109,21 @@ class CgroupBackend:
                     return b"populated 1" in f.read()
             except FileNotFoundError:
                 return False
+        # v1: pids.current, one pread of a kept fd, says 0 at the end of nearly every
+        # call; otherwise the list decides (it leaves out our spawning thread, which
+        # pids.current counts while it lives). cgroup.procs cannot be read again through
+        # a kept fd: it answers what it listed the first time.
+        if cg.current_fd < 0:
+            try:
+                path = os.path.join(cg.path, "pids.current")
+                cg.current_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return bool(self.pids(cg))
+        try:
+            if os.pread(cg.current_fd, 32, 0).strip() == b"0":
+                return False
+        except OSError:
+            pass
         return bool(self.pids(cg))
 
     def kill(self, cg: Cgroup) -> None:
@@ -114,24 +135,27 @@ class CgroupBackend:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
 
-    async def wait_empty(self, cg: Cgroup, deadline: float) -> bool:
-        """Kill until empty. A process forked between listing and killing shows up on the
-        next pass; SIGKILLed processes cannot fork, and pids.max bounds the passes."""
+    async def wait_empty(self, cg: Cgroup, deadline: float) -> tuple[bool, bool]:
+        """Kill until empty: (empty by ``deadline``, whether anything had to be killed).
+        A process forked between listing and killing shows up on the next pass;
+        SIGKILLed processes cannot fork, and pids.max bounds the passes."""
         delay = 0.0002
+        killed = False
         while self.populated(cg):
             self.kill(cg)
+            killed = True
             if trio.current_time() > deadline:
-                return False
+                return False, killed
             await trio.sleep(delay)
             delay = min(delay * 2, MAX_STEP)
-        return True
+        return True, killed
 
     def release(self, cg: Cgroup, *, empty: bool = False) -> None:
         """Pool the cgroup if it is empty (``empty``: just seen so), else remove it."""
         if len(self._pool) < POOL_MAX and (empty or not self.populated(cg)):
             self._pool.append(cg)
             return
-        os.close(cg.join_fd)
+        cg.close()
         try:
             os.rmdir(cg.path)
         except OSError as err:
@@ -140,7 +164,7 @@ class CgroupBackend:
     def close(self) -> None:
         while self._pool:
             cg = self._pool.pop()
-            os.close(cg.join_fd)
+            cg.close()
             with contextlib.suppress(OSError):
                 os.rmdir(cg.path)
 
@@ -170,6 +194,18 @@ def write_file(path: str, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
+
+
+def read_seq(path: str) -> bytes:
+    """All of a kernel seq_file (a read may stop at a page), without a file object."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = b""
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    finally:
+        os.close(fd)
+    return data
 
 
 def read_file(path: str) -> str:

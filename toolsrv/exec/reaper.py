@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from toolsrv.exec.cgroup import MAX_STEP
+from toolsrv.exec.cgroup import MAX_STEP, read_seq
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +66,10 @@ def children() -> set[int]:
     found = False
     for tid in tids:
         try:
-            fd = os.open(f"/proc/{me}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
+            data = read_seq(f"/proc/{me}/task/{tid}/children")
         except FileNotFoundError:
             continue
         found = True
-        try:
-            data = b""
-            while chunk := os.read(fd, 65536):  # a seq_file: a read may stop at a page
-                data += chunk
-        finally:
-            os.close(fd)
         kids.update(map(int, data.split()))
     if not found:  # kernel without CONFIG_PROC_CHILDREN
         for entry in os.listdir("/proc"):
@@ -102,14 +96,15 @@ class Reaper:
         self._sweeping = False
         self._sweep_again = False
 
-    def start(self) -> None:
+    def start(self, *, sigchld: bool = True) -> None:
+        """``sigchld``: sweep on SIGCHLD too (from the main thread only)."""
         if self._on:
             return
         if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             log.warning("cannot become a child subreaper: %s", os.strerror(ctypes.get_errno()))
         self._own_sid = os.getsid(0)
         self._own_nnp = _nnp("self")
-        if threading.current_thread() is threading.main_thread():
+        if sigchld and threading.current_thread() is threading.main_thread():
             self._prev_sigchld = signal.signal(signal.SIGCHLD, self._on_sigchld)
         self._on = True
 
@@ -125,9 +120,30 @@ class Reaper:
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
     def _on_sigchld(self, signum: int, frame: FrameType | None) -> None:
-        self.sweep()
+        if self.orphans():
+            self.sweep()
         if callable(self._prev_sigchld):
             self._prev_sigchld(signum, frame)
+
+    def orphans(self) -> bool:
+        """Whether a sweep may find work: a child has exited that is not the leader of a
+        call in flight (whose call reaps it). One waitid, which looks without reaping.
+
+        Nearly every SIGCHLD is a leader's exit, and a sweep lists every thread's children
+        in /proc (a dozen syscalls). A zombie behind a leader's is found once the leader
+        is reaped, by the sweep or check that ends its call. Live orphans of finished calls
+        do not raise SIGCHLD: the sweep at the end of each call kills them (where a cgroup
+        did not already).
+        """
+        try:
+            ready = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        except OSError:
+            return True
+        if ready is None:
+            return False
+        return all(call.pid != ready.si_pid for call in self.calls)
 
     def sweep(self) -> int:
         """Reap and kill orphaned tool processes; how many it SIGKILLed.

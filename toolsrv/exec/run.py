@@ -21,7 +21,7 @@ from toolsrv.exec import cgroup
 from toolsrv.exec.capture import Watch, exit_fd, prefill
 from toolsrv.exec.cgroup import Cgroup, CgroupBackend
 from toolsrv.exec.reaper import CallRecord, Reaper
-from toolsrv.exec.spawn import SetupError, Spawner, spawn_in_thread
+from toolsrv.exec.spawn import SetupError, Spare, Spawner, spawn_in_thread
 from toolsrv.protect import ProtectedScan
 from toolsrv.sandbox import Prepared, Profile
 
@@ -82,7 +82,12 @@ class Executor:
         self._core_off = False
 
     def start(self) -> None:
-        self.reaper.start()
+        """Become the subreaper of the tools. Where calls get cgroups, every process of
+        a call is dead when it ends and the end reaps its zombies, so SIGCHLD needs no
+        handler (a sweep on each tool's exit, and a wakeup of the loop through trio's
+        signal socket, were several syscalls a call); without cgroups, escapees of a call
+        may die later, and SIGCHLD sweeps them up."""
+        self.reaper.start(sigchld=self.cgroups is None)
 
     def close(self) -> None:
         if self._spawner is not None:
@@ -160,13 +165,22 @@ class Executor:
         timeout = min(timeout, profile.timeout_cap)
         roots = [*write_roots, tmp_dir, *sandbox.expand_write(profile.write, env)]
         protect = None
+        clean = None
+        ids: namespaces.Ids = {}
         if not profile.unsandboxed and namespaces.mount_namespaces():
-            # In a worker thread: a root on a slow filesystem must not stall the server.
-            async with self._scan_lock:
-                clean = sandbox.clean_roots(roots)
+            lock = self._scan_lock
+            try:
+                lock.acquire_nowait()  # (async with would yield to the scheduler twice)
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
+                clean = sandbox.clean_roots(roots, ids)
                 protect = self.scan.quick(clean)
                 if protect is None:
+                    # In a worker thread: a root on a slow filesystem must not stall us.
                     protect = await trio.to_thread.run_sync(self.scan.find, clean)
+            finally:
+                lock.release()
         try:
             prepared = sandbox.prepare(
                 profile,
@@ -175,6 +189,8 @@ class Executor:
                 hide=self.hide,
                 netns_fd=None if profile.network else self.netns,
                 rulesets=self.rulesets,
+                clean=clean,
+                ids=ids,
             )
         except (OSError, ValueError) as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
@@ -200,8 +216,18 @@ class Executor:
         watch: Watch | None = None
         cg: Cgroup | None = None
         run: _Run | None = None
-        spare = spawner.take_spare()  # None once handed to in_fresh_thread
+        spare: Spare | None = None  # None once handed to in_fresh_thread
         try:
+            ns_cache = spawner.mount_ns
+            ns_key = pins = None
+            if ns_cache is not None and prepared.mounts is not None:
+                ns_key = ns_cache.key(prepared.mounts, prepared.ids)
+                prepared.mount_ns_fd = ns_cache.get(ns_key)
+                prepared.ns_serial = ns_cache.serial(ns_key)
+                if prepared.mount_ns_fd is None:
+                    pins = ns_cache.pin(ns_key)  # before the namespace is made
+                    prepared.keep_ns = pins is not None
+            spare = spawner.take_spare(prepared.key())
             for _ in range(3):
                 fds.extend(os.pipe2(os.O_CLOEXEC))
             in_r, in_w, out_r, out_w, err_r, err_w = fds
@@ -218,14 +244,6 @@ class Executor:
                         cg = backend.acquire(profile.max_procs)
                 except OSError as err:
                     log.warning("cgroup for the call unavailable: %s", err.strerror)
-            ns_cache = spawner.mount_ns
-            ns_key = pins = None
-            if ns_cache is not None and prepared.mounts is not None:
-                ns_key = ns_cache.key(prepared.mounts)
-                prepared.mount_ns_fd = ns_cache.get(ns_key)
-                if prepared.mount_ns_fd is None:
-                    pins = ns_cache.pin(ns_key)  # before the namespace is made
-                    prepared.keep_ns = pins is not None
             self.reaper.calls.add(call)
             thread, spare = spare, None
             capped = cg is not None and backend is not None and backend.limits
@@ -252,31 +270,42 @@ class Executor:
                 log.exception("spawning %s failed", argv[0])
                 return ExecResult(error=_spawn_error(argv[0], err))
             finally:
-                for fd in (in_r, out_w, err_w):
-                    os.close(fd)
-                    fds.remove(fd)
+                os.close(in_r)
+                fds.remove(in_r)
                 built = prepared.take_built_ns()
                 if built is not None and ns_cache is not None:
                     ns_cache.put(ns_key, built, pins)
                     pins = None
+                    # Kept now: the next call like this one joins it, and so can a spare.
+                    prepared.mount_ns_fd = ns_cache.get(ns_key)
+                    prepared.ns_serial = ns_cache.serial(ns_key)
                 for pin in pins or ():
                     os.close(pin)
             call.pid = proc.pid
             run = _Run(self.reaper, proc, exit_fd(proc.pid), cg, backend)
             assert run.exit_fd is not None
             watch = Watch(
-                out_r, err_r, in_w if rest else None, rest, run.exit_fd, profile.max_output
+                out_r,
+                err_r,
+                in_w if rest else None,
+                rest,
+                run.exit_fd,
+                profile.max_output,
+                held=(out_w, err_w),
             )
-            for fd in (out_r, err_r, *([in_w] if rest else [])):
+            for fd in (out_r, err_r, out_w, err_w, *([in_w] if rest else [])):
                 fds.remove(fd)
-            spawner.prestart(profile.max_procs)
+            spawner.prestart(profile.max_procs, prepared)
             with trio.move_on_after(timeout) as deadline:
                 await watch.pump(until_exit=True)
             run.exited = watch.exited
             watch.forget_exit()
             await run.end()
-            with trio.move_on_after(DRAIN_GRACE):
-                await watch.pump(until_exit=False)
+            watch.release()
+            watch.drain()
+            if watch.readers:  # a process that left the call still holds a pipe
+                with trio.move_on_after(DRAIN_GRACE):
+                    await watch.pump(until_exit=False)
             rc = proc.returncode
             assert rc is not None
             return ExecResult(
@@ -300,10 +329,17 @@ class Executor:
                     watch.close()
                 for fd in fds:
                     os.close(fd)
+                empty = run is not None and run.empty
                 if cg is not None and backend is not None:
-                    backend.release(cg, empty=run is not None and run.empty)
+                    backend.release(cg, empty=empty)
                 self.reaper.calls.discard(call)
-                await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
+                # A call whose cgroup was seen empty left no live process (a cgroup holds
+                # setsid escapees too); the processes killed at its end (stragglers) may
+                # still be on their way to being zombies of ours: the sweep waits for
+                # them. Otherwise zombies only, and `orphans` sees them.
+                stragglers = run is not None and run.stragglers
+                if not empty or stragglers or self.reaper.orphans():
+                    await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
 
     def _rlimits(self, profile: Profile, capped: bool) -> list[tuple[int, int]]:
         """The limits a call's leader must start with (see `spawn_in_thread`).
@@ -360,6 +396,7 @@ class _Run:
     exited: bool = False  # the leader has exited (not yet reaped)
     ended: bool = False
     empty: bool = False  # the call's cgroup was seen empty at the end
+    stragglers: bool = False  # processes other than the leader were killed at the end
 
     async def end(self) -> None:
         """Kill everything of the call, reap the leader, wait until the rest is gone."""
@@ -374,13 +411,14 @@ class _Run:
             if self.exit_fd is not None:
                 if not self.exited:
                     await trio.lowlevel.wait_readable(self.exit_fd)
-                trio.lowlevel.notify_closing(self.exit_fd)
+                    trio.lowlevel.notify_closing(self.exit_fd)  # (trio knows it only then)
                 os.close(self.exit_fd)
                 self.exit_fd = None
             self.proc.wait()
             deadline = trio.current_time() + KILL_GRACE
             if self.cg is not None and self.backend is not None:
-                gone = self.empty = await self.backend.wait_empty(self.cg, deadline)
+                gone, self.stragglers = await self.backend.wait_empty(self.cg, deadline)
+                self.empty = gone
             else:
                 gone = await self.reaper.wait_group_gone(pid, deadline)
             if not gone:

@@ -6,9 +6,11 @@ applied to the spawning thread for good, and the child inherits it from that thr
 2 ms more per call on a VM, which alone would triple the cost of running ``true``; it is only
 used to set rlimits, when a profile asks for ``max_memory`` (see `spawn_in_thread`).
 
-The next thread is started ahead (`Spawner.prestart`) while a tool runs, off the critical
-path. For the microseconds the spawning thread lives on after the spawn, it shares the
-tool's sandbox: the server is non-dumpable meanwhile so the tool cannot ptrace it.
+The next threads are started ahead (`Spawner.prestart`) while a tool runs, off the critical
+path, one of them already in the sandbox of the call that just started (most calls have
+the sandbox of the call before). For the microseconds the spawning thread lives on after
+the spawn, it shares the tool's sandbox: the server is non-dumpable for as long as it can
+spawn, so the tool cannot ptrace it nor read its memory through /proc.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import resource
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
@@ -51,12 +54,29 @@ class Spare:
     With a v1 cgroup backend the spare also takes the next call's cgroup and joins it at
     once: joining (a write to ``tasks``) waits for an RCU grace period inside the kernel,
     which was measured at 15-20 ms on an idle VM. Done ahead, nobody waits for it.
+
+    ``ahead``: a sandbox (a `Prepared.copy`, whose descriptors the spare closes) that the
+    thread enters right away, for a call whose sandbox has the same `Prepared.key`, which
+    ``key`` is. Entering costs ~150 µs (the seccomp filter is compiled on every load);
+    done ahead, the call only spawns. The thread waits in that sandbox, in a Landlock
+    domain of its own that no process is in yet, so no tool can signal or trace it.
     """
 
-    def __init__(self, cg: Cgroup | None = None) -> None:
+    def __init__(
+        self,
+        cg: Cgroup | None = None,
+        *,
+        bounding_empty: bool = False,
+        ahead: Prepared | None = None,
+        key: tuple[object, ...] | None = None,
+    ) -> None:
         self.cg = cg
         self.joined: Cgroup | None = None  # set by the thread once it joined ``cg``
-        self.bounding_dropped = False  # set by the thread once its bounding set is empty
+        # Set by the thread once its bounding set is empty (inherited so: ``bounding_empty``).
+        self.bounding_dropped = bounding_empty
+        self.key = key if ahead is not None else None
+        self.ahead_error: Exception | None = None  # entering ``ahead`` failed
+        self._ahead = ahead
         self._go = _thread.allocate_lock()
         self._go.acquire()
         self._running = _thread.allocate_lock()  # held while the thread lives
@@ -66,16 +86,24 @@ class Spare:
 
     def _main(self) -> None:
         # Emptying the bounding set is ~40 credential commits: done here, ahead of the job.
-        try:
-            self.bounding_dropped = namespaces.drop_bounding_set()
-        except OSError as err:  # the job tries again, and fails the call if it must
-            log.debug("spare thread kept its bounding set: %s", err.strerror)
+        if not self.bounding_dropped:
+            try:
+                self.bounding_dropped = namespaces.drop_bounding_set()
+            except OSError as err:  # the job tries again, and fails the call if it must
+                log.debug("spare thread kept its bounding set: %s", err.strerror)
         if self.cg is not None:
             try:
                 os.write(self.cg.join_fd, str(threading.get_native_id()).encode())
                 self.joined = self.cg
             except OSError as err:  # the job joins (or fails) the usual way
                 log.debug("spare thread could not join %s: %s", self.cg.path, err.strerror)
+        if self._ahead is not None:
+            try:
+                self._ahead.enter(bounding_dropped=self.bounding_dropped)
+            except Exception as err:  # the call fails as it would have, entering itself
+                self.ahead_error = err
+            finally:
+                self._ahead.close()
         self._go.acquire()
         try:
             if self._job is not None:
@@ -87,72 +115,117 @@ class Spare:
         self._job = job
         self._go.release()
 
-    def join(self, timeout: float) -> None:
-        """Wait (a bounded time) for the thread to end, e.g. to leave its cgroup."""
-        if self._running.acquire(timeout=timeout):
+    def join(self, timeout: float) -> bool:
+        """Wait (a bounded time; 0: not at all) for the thread to end, e.g. to leave its
+        cgroup; whether it has."""
+        if self._running.acquire(timeout=timeout) if timeout > 0 else self._running.acquire(False):
             self._running.release()
+            return True
+        return False
 
 
 class Spawner:
-    """The spawning threads of one executor: the spare, and the dumpable guard."""
+    """The spawning threads of one executor: the spares; and the process non-dumpable.
+
+    Two spares wait at most: a plain one, for any call, and one that entered the sandbox
+    of the last call ahead (`Prepared.key`), for the next call like it, which then only
+    spawns. A call whose sandbox differs takes the plain one (and enters there).
+    """
 
     def __init__(self, cgroups: CgroupBackend | None, *, mount_ns: bool = False) -> None:
         self.cgroups = cgroups
         self.mount_ns = namespaces.MountNsCache() if mount_ns else None
+        # Made in the event loop's thread, which starts every spawning thread: when its
+        # bounding set is empty (toolsrv empties it at start), theirs are too.
+        self.bounding_empty = namespaces.bounding_set_empty()
         self._spare: Spare | None = None
-        self._spawning = 0
-        self._was_dumpable: bool | None = None
+        self._ahead: Spare | None = None
+        self._ending: list[Spare] = []  # told to end; their cgroups go back once they did
+        # A spawning thread shares its tool's sandbox (Landlock domain) for the moments it
+        # lives on after the spawn, and a tool may ptrace-attach, or open /proc/<pid>/mem
+        # of, a process of its domain (seccomp refuses ptrace itself, not /proc): while
+        # the process is non-dumpable that takes CAP_SYS_PTRACE, which tools lack. It was
+        # made so around each spawn (two prctls a call); for the executor's life it costs
+        # nothing, and it is no weaker (py-spy and gdb then need root).
+        self._was_dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
+        if self._was_dumpable:
+            _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
 
-    def prestart(self, max_procs: int) -> None:
-        """Start the next spawning thread now, while a tool runs and the server waits."""
+    def _new(self, max_procs: int, ahead: Prepared | None = None) -> Spare:
+        cg = None
+        if self.cgroups is not None and self.cgroups.version == 1:
+            try:
+                cg = self.cgroups.acquire(max_procs)
+            except OSError as err:
+                log.debug("no cgroup for the spare thread: %s", err.strerror)
+        key = ahead.key() if ahead is not None else None
+        copy = ahead.copy() if ahead is not None and key is not None else None
+        try:
+            return Spare(cg, bounding_empty=self.bounding_empty, ahead=copy, key=key)
+        except BaseException:
+            if copy is not None:
+                copy.close()
+            if cg is not None and self.cgroups is not None:
+                self.cgroups.release(cg)
+            raise
+
+    def prestart(self, max_procs: int, ahead: Prepared | None = None) -> None:
+        """Start the next spawning threads now, while a tool runs and the server waits:
+        a plain one if there is none, and one that enters ``ahead`` (the sandbox of the
+        call that just spawned) if the one waiting has another."""
+        self._reap()
         if self._spare is None:
-            cg = None
-            if self.cgroups is not None and self.cgroups.version == 1:
-                try:
-                    cg = self.cgroups.acquire(max_procs)
-                except OSError as err:
-                    log.debug("no cgroup for the spare thread: %s", err.strerror)
-            self._spare = Spare(cg)
+            self._spare = self._new(max_procs)
+        key = ahead.key() if ahead is not None else None
+        if key is not None and (self._ahead is None or self._ahead.key != key):
+            if self._ahead is not None:
+                self._end(self._ahead)
+            self._ahead = self._new(max_procs, ahead)
 
-    def take_spare(self) -> Spare | None:
-        spare, self._spare = self._spare, None
-        return spare
+    def take_spare(self, key: tuple[object, ...] | None = None) -> Spare | None:
+        """The spare that entered the sandbox ``key`` ahead, else the plain one."""
+        ahead = self._ahead
+        if key is not None and ahead is not None and ahead.key == key:
+            self._ahead = None
+            return ahead
+        plain, self._spare = self._spare, None
+        return plain
 
     def return_spare(self, spare: Spare) -> None:
         """A spare taken but not used: keep it for the next call, or end it."""
-        if self._spare is None:
+        if spare.key is None and self._spare is None:
             self._spare = spare
-            return
-        self._end(spare)
+        elif spare.key is not None and self._ahead is None:
+            self._ahead = spare
+        else:
+            self._end(spare)
 
     def _end(self, spare: Spare) -> None:
         spare.run(lambda: None)
         if spare.cg is not None and self.cgroups is not None:
-            spare.join(1.0)  # v1 counts its thread in the cgroup until it ends
-            self.cgroups.release(spare.cg)
+            self._ending.append(spare)  # v1 counts its thread in the cgroup until it ends
+
+    def _reap(self, timeout: float = 0.0) -> None:
+        """Give back the cgroups of ended spares (waiting ``timeout`` for each at most)."""
+        left = []
+        for spare in self._ending:
+            if spare.join(timeout) and spare.cg is not None and self.cgroups is not None:
+                self.cgroups.release(spare.cg)
+            else:
+                left.append(spare)
+        self._ending = left
 
     def close(self) -> None:
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            self._end(spare)
+        for spare in (self._spare, self._ahead):
+            if spare is not None:
+                self._end(spare)
+        self._spare = self._ahead = None
+        self._reap(1.0)
         if self.mount_ns is not None:
             self.mount_ns.close()
-
-    def _guard(self, start: bool) -> None:
-        """Keep the server non-dumpable while a spawning thread lives.
-
-        That thread shares the tool's sandbox, which does not stop the tool from
-        ptrace-attaching it during the microseconds it lives on after exec; being
-        non-dumpable does (attaching then takes CAP_SYS_PTRACE, which tools lack), and
-        costs two prctls.
-        """
-        if self._was_dumpable is None:
-            self._was_dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
-        if not self._was_dumpable:
-            return
-        self._spawning += 1 if start else -1
-        if self._spawning == (1 if start else 0):
-            _libc.prctl(_PR_SET_DUMPABLE, 0 if start else 1, 0, 0, 0)
+        if self._was_dumpable:  # (every spawning thread is gone: `_reap` waited)
+            _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+            self._was_dumpable = False
 
     async def in_fresh_thread(self, fn: Callable[[Spare], _T], spare: Spare | None) -> _T:
         """Run ``fn`` in a new OS thread that ends with it: never trio's thread cache, which
@@ -162,10 +235,13 @@ class Spawner:
         done = trio.Event()
         result: list[_T] = []
         error: list[BaseException] = []
-
         ready = _thread.allocate_lock()
         ready.acquire()
-        thread = spare or Spare()
+        # [finished, the loop waits for done]: a spawn that ends while the loop still
+        # blocks on ``ready`` needs no wakeup through trio (a write to its socket).
+        state = [False, False]
+        mutex = _thread.allocate_lock()
+        thread = spare or Spare(bounding_empty=self.bounding_empty)
 
         def body() -> None:
             try:
@@ -173,20 +249,31 @@ class Spawner:
             except BaseException as err:
                 error.append(err)
             finally:
+                with mutex:
+                    state[0] = True
+                    wake = state[1]
                 ready.release()
-                with contextlib.suppress(trio.RunFinishedError):
-                    token.run_sync_soon(done.set)
+                if wake:
+                    with contextlib.suppress(trio.RunFinishedError):
+                        token.run_sync_soon(done.set)
+                else:
+                    # The loop, woken, needs the GIL, which this thread would otherwise keep
+                    # through its own end: hand it over now (60 us -> 20 us, measured).
+                    time.sleep(0)
 
-        self._guard(True)
         thread.run(body)
         # A spawn takes ~0.3 ms. Waiting for it on a lock, with the event loop blocked, is
         # ~0.1 ms faster than a trio wakeup from another thread; a slow spawn (a mount
         # namespace, a binary on a slow filesystem) blocks the loop SPAWN_BLOCK at most and
         # is then awaited the trio way.
         if not ready.acquire(timeout=SPAWN_BLOCK):
-            with trio.CancelScope(shield=True):
-                await done.wait()
-        self._guard(False)
+            with mutex:
+                state[1] = not state[0]
+            if state[1]:
+                with trio.CancelScope(shield=True):
+                    await done.wait()
+            else:
+                ready.acquire()  # it finished meanwhile: released in a moment
         if error:
             raise error[0]
         return result[0]
@@ -213,7 +300,10 @@ def spawn_in_thread(
     try:
         if cg is not None and version == 1 and thread.joined is not cg:
             os.write(cg.join_fd, str(threading.get_native_id()).encode())
-        prepared.enter(bounding_dropped=thread.bounding_dropped)
+        if thread.key is None:
+            prepared.enter(bounding_dropped=thread.bounding_dropped)
+        elif thread.ahead_error is not None:  # (the caller checked: the same sandbox)
+            raise SetupError(str(thread.ahead_error)) from thread.ahead_error
     except OSError as err:
         raise SetupError(str(err)) from err
     proc = subprocess.Popen(
