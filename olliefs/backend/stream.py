@@ -44,7 +44,7 @@ from olliefs.backend.base import (
     ToolUnsupportedError,
     TransientError,
 )
-from olliefs.backend.transport import LeanTransport, transport_for
+from olliefs.backend.transport import LeanTransport, direct_body, transport_for
 
 MAX_MESSAGE_CHARS = 300
 
@@ -551,14 +551,18 @@ async def open_body(response: httpx.Response) -> AsyncIterator[AsyncIterator[byt
     garbage collected (encode/httpx#3686). After the close, pulling once more makes the read
     fail at the bottom of the chain, which ends every generator in it.
     """
-    chunks = response.aiter_bytes()
+    direct = direct_body(response)
+    chunks = direct if direct is not None else response.aiter_bytes()
     try:
         yield chunks
     finally:
         await response.aclose()
-        with contextlib.suppress(httpx.HTTPError, httpx.StreamError):
-            async for _ in chunks:
-                pass
+        if direct is not None:
+            await direct.aclose()
+        else:
+            with contextlib.suppress(httpx.HTTPError, httpx.StreamError):
+                async for _ in chunks:
+                    pass
 
 
 def content_type(response: httpx.Response) -> str:

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 
-from olliefs.backend.transport import LeanTransport, transport_for
+from olliefs.backend.transport import LeanTransport, direct_body, transport_for
 
 # handler(conn, request head, number of the request on this connection, connection number)
 Handler = Callable[[socket.socket, bytes, int, int], None]
@@ -375,3 +375,29 @@ async def test_kept_connection_reused_above_descriptor_1024(
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_direct_body_only_without_content_coding(serve: Callable[..., RawServer]) -> None:
+    """A backend reads our transport's body straight off the network, but a coded body
+    goes through httpx, which undoes the coding."""
+    zipped = gzip.compress(b"z" * 50)
+
+    def handler(conn: socket.socket, head: bytes, i: int, n: int) -> None:
+        if b"/gz" in head:
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(zipped), zipped)
+            )
+        else:
+            conn.sendall(CHUNKED_HEAD + chunked(b"plain ", b"body"))
+
+    srv = serve(handler)
+    t = LeanTransport()
+    plain = await t.handle_async_request(httpx.Request("GET", srv.url + "/plain"))
+    body = direct_body(plain)
+    assert body is not None and b"".join([p async for p in body]) == b"plain body"
+    await plain.aclose()
+    coded = await t.handle_async_request(httpx.Request("GET", srv.url + "/gz"))
+    assert direct_body(coded) is None
+    assert await coded.aread() == b"z" * 50
+    await t.aclose()
