@@ -8,8 +8,10 @@ reference (``bench/ref/reffs.c``) in a scratch directory, mounts it with the att
 entry timeouts olliefs uses (read from olliefs itself, so the two can never drift apart),
 mounts olliefs through the test harness (``olliefs.testing.Daemon``: the real daemon, a
 loopback replay server), makes the sessions in both, and measures the same operation on
-both in turns. Then, when ``bench/perf_stream.py`` exists, it adds the rows its ``rows()``
-returns (streams, journal, runtime latency: helper perfstream's part).
+both in turns. Then it adds the rows of ``bench/perf_stream.py`` (streams, journal,
+runtime latency, 200 streams) and ``bench/bench_toolsrv.py`` (a tool call against a bare
+spawn of the same script, three patterns, and the CPU per call); ``PERF_PARTS`` picks
+(``fs``, ``stream``, ``toolsrv``; all by default).
 
 Nothing is asserted: a figure that misses its target is printed as MISS.
 """
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from perf_common import Row, p50, p99, table, within
 
@@ -48,8 +51,10 @@ READERS = int(os.environ.get("PERF_READERS", "1000"))  # blocked readers for the
 # drew its own placement for each filesystem: ratios of 0.5x to 5x from one run to the
 # next, for the same code. Pinned, both sides pay the same.
 PIN = os.environ.get("PERF_PIN", "split")
-# Which parts to run: "fs" (this file's rows), "stream" (bench/perf_stream.py's), or both.
-PARTS = set(os.environ.get("PERF_PARTS", "fs,stream").split(","))
+# Which parts to run: "fs" (this file's rows), "stream" (bench/perf_stream.py's: streams,
+# journal, runtime latency, many streams), "toolsrv" (bench/bench_toolsrv.py's: a call
+# against a bare spawn of the same tool script); all three by default.
+PARTS = set(os.environ.get("PERF_PARTS", "fs,stream,toolsrv").split(","))
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -370,15 +375,22 @@ def main() -> int:
     if "fs" in PARTS:
         with tempfile.TemporaryDirectory() as t:
             rows += fs_rows(Path(t))
-    if "stream" in PARTS and (HERE / "perf_stream.py").exists():
-        spec_ = importlib.util.spec_from_file_location("perf_stream", HERE / "perf_stream.py")
-        assert spec_ is not None and spec_.loader is not None
-        mod = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(mod)
-        rows += mod.rows()
+    for part, name in (("stream", "perf_stream"), ("toolsrv", "bench_toolsrv")):
+        if part in PARTS:
+            rows += bench_module(name).rows()
     print(table(rows))
     print(f"\n{SESSIONS} sessions, {REPEAT} repeats; {machine()}")
     return 0 if all(r.ok is not False for r in rows) else 1
+
+
+def bench_module(name: str) -> Any:
+    """``bench/<name>.py``, loaded by path (bench/ is not a package)."""
+    spec_ = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    assert spec_ is not None and spec_.loader is not None
+    mod = importlib.util.module_from_spec(spec_)
+    sys.modules[name] = mod  # dataclasses look their module up there
+    spec_.loader.exec_module(mod)
+    return mod
 
 
 def machine() -> str:
