@@ -75,6 +75,12 @@ def denied() -> NinePError:
     return NinePError("permission denied")
 
 
+# Files whose content a read at offset 0 renders again (the Plan 9 manner of a synthetic
+# file): a client that keeps one open reads the current value in one round trip, as
+# olliefs reads agent/rev before each model request.
+_LIVE = frozenset({"rev", "loaded"})
+
+
 @dataclass(eq=False)
 class Proc:
     n: int
@@ -376,6 +382,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
             return data[offset : offset + count]
         if handle.data is None:
             raise denied()
+        if offset == 0 and node.kind in _LIVE:
+            handle.data = self._snapshot(node)  # what it says now, to a fid kept open
         return handle.data[offset : offset + count]
 
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:

@@ -21,7 +21,7 @@ import trio
 
 from ninep import NinePError
 from ninep.client import Client, ConnectionLost
-from ninep.codec import ORDWR
+from ninep.codec import ORDWR, OREAD
 from toolsrv.protocol import CallRequest, CallResult, ToolMeta, agent_secret
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class ToolsrvConn:
         self.root = root
         self.agent_id = agent_id
         self._idle: list[int] = []  # proc/rpc fids open for reading and writing, free
+        self._rev: int | None = None  # agent/rev, kept open: read at 0, it is current
 
     @property
     def idle(self) -> int:
@@ -100,7 +101,20 @@ class ToolsrvConn:
         return {k: out[k] for k in names if k in out}
 
     async def rev(self) -> int:
-        return int(await self._read("agent/rev"))
+        """agent/rev, read on a fid kept open: one round trip, asked before every model
+        request (toolsrv renders the file again at each read at offset 0)."""
+        try:
+            if self._rev is None:
+                fid = await self.client.walk(self.root, ["agent", "rev"])
+                try:
+                    await self.client.open(fid, OREAD)
+                except BaseException:
+                    self.client.clunk_nowait(fid)
+                    raise
+                self._rev = fid
+            return int(await self.client.read(self._rev, 0, 64))
+        except NinePError as err:
+            raise ToolsrvError(f"toolsrv: agent/rev: {err.ename}") from None
 
     async def loaded(self) -> list[str]:
         return (await self._read("agent/loaded")).decode().split()
