@@ -1001,7 +1001,11 @@ async def serve_unix(
         ino = st.st_ino
         if not _stat.S_ISSOCK(st.st_mode) or _stat.S_IMODE(st.st_mode) != mode:
             raise OSError(errno.EPERM, "socket file changed under us", path)
-        sock.listen(128)
+        # As many as the kernel allows (net.core.somaxconn, 4096 by default): a daemon
+        # whose sessions start together connects once per session at the same moment,
+        # and a unix socket refuses the connects past a full backlog (trio then reports
+        # ENOTCONN at the first read: "connection lost during version negotiation").
+        sock.listen(_socket.SOMAXCONN)
         listener = trio.SocketListener(sock)
         task_status.started()
         async with trio.open_nursery() as nursery:

@@ -446,7 +446,7 @@ async def _unix_listener(path: str) -> tuple[trio.SocketListener, Callable[[], N
         await sock.bind(path)
         os.chmod(path, 0o600)
         ino = os.lstat(path).st_ino
-        sock.listen(128)
+        sock.listen(socket.SOMAXCONN)  # clients connecting together (ninep.server)
     except OSError as err:
         sock.close()
         raise AddressError(f"9P socket {path}: {err.strerror or err}") from None

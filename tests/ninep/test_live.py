@@ -443,3 +443,21 @@ async def test_large_frames(nursery: trio.Nursery, sock_dir: str) -> None:
                 n.start_soon(cl.write_all, root, "rw", data)
         assert await cl.read_all(root, "rw") == data
         assert max(n for _, n in fs.writes) == 4 << 20
+
+
+async def test_many_clients_connecting_at_once(served: Served) -> None:
+    """A daemon whose 200 sessions start their turns together connects 200 times to its
+    toolsrv in one go: with a listen backlog of 128, the connects past it were refused
+    and those sessions went on without tools ("connection lost during version
+    negotiation"). Every one of 300 simultaneous clients gets through."""
+    done: list[int] = []
+
+    async def one(i: int) -> None:
+        async with Client.connect_unix(served.path) as cl:
+            root = await cl.attach(f"u{i}", "")
+            done.append(root)
+
+    async with trio.open_nursery() as n:
+        for i in range(300):
+            n.start_soon(one, i)
+    assert len(done) == 300
