@@ -50,7 +50,7 @@ from perf_common import Row, p50, p99, table
 
 from olliefs.replay import ReplayServer, parse_script
 from olliefs.replay.script import Entry
-from olliefs.testing import Daemon
+from olliefs.testing import Daemon, recv_request
 
 SESSIONS = int(os.environ.get("STREAM_SESSIONS", "200"))
 RATE = float(os.environ.get("STREAM_RATE", "200"))  # tokens per second per session
@@ -292,32 +292,17 @@ class TinyServer:
         buf = b""
         try:
             while True:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    if not buf:
-                        t_first = time.monotonic()
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        length = int(v)
-                while len(buf) < length:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                buf = buf[length:]
-                if head.startswith(b"GET"):
+                got = recv_request(conn, buf)
+                if got is None:
+                    return
+                request, buf = got
+                if request.head.startswith(b"GET"):
                     conn.sendall(
                         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n%b" % (len(MODELS), MODELS)
                     )
                     continue
-                self.first_bytes.append(t_first)
+                self.first_bytes.append(request.first_byte)
                 self.posted.release()
                 if self.paced_tokens:
                     conn.sendall(_STREAM_HEAD)

@@ -12,6 +12,7 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -332,3 +333,40 @@ def running_toolsrv(
     finally:
         t.stop()
     t.check_log()
+
+
+class Request:
+    """One HTTP/1.1 request as ``recv_request`` read it off a socket."""
+
+    __slots__ = ("body", "first_byte", "head")
+
+    def __init__(self, head: bytes, body: bytes, first_byte: float) -> None:
+        self.head = head  # request line and headers, without the blank line
+        self.body = body
+        self.first_byte = first_byte  # time.monotonic() when its first byte came
+
+
+def recv_request(conn: socket.socket, buf: bytes) -> tuple[Request, bytes] | None:
+    """The next request on a blocking socket (head, a Content-Length body) and the bytes
+    read past it; None when the peer closed first. For the tests' and benchmarks' tiny
+    HTTP servers, which answer each request with bytes of their own."""
+    first = time.monotonic()
+    while b"\r\n\r\n" not in buf:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        if not buf:
+            first = time.monotonic()
+        buf += data
+    head, _, buf = buf.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(buf) < length:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        buf += data
+    return Request(head, buf[:length], first), buf[length:]

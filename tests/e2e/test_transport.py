@@ -24,6 +24,7 @@ import pytest
 import trio
 
 from olliefs.backend.transport import LeanTransport, direct_body, transport_for
+from olliefs.testing import recv_request
 
 # handler(conn, request head, number of the request on this connection, connection number)
 Handler = Callable[[socket.socket, bytes, int, int], None]
@@ -63,22 +64,12 @@ class RawServer:
                 conn = self.tls.wrap_socket(raw, server_side=True)
             buf = b""
             for i in range(1000):
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        length = int(v)
-                while len(buf) < length:
-                    buf += conn.recv(65536)
-                body, buf = buf[:length], buf[length:]
-                self.requests.append(head + b"\r\n\r\n" + body)
-                self.handler(conn, head, i, n)
+                got = recv_request(conn, buf)
+                if got is None:
+                    return
+                request, buf = got
+                self.requests.append(request.head + b"\r\n\r\n" + request.body)
+                self.handler(conn, request.head, i, n)
                 if conn.fileno() < 0:
                     return
         except (OSError, ssl.SSLError):
