@@ -472,7 +472,7 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
     note = f"{SESSIONS} sessions x {RATE:g} tok/s; window {dt:.1f} s; pacer {ticks:.0f} rounds/s"
     note += f"; {running} streams running"
     # Offered but not yet at a reader when the window closed: how far behind they are.
-    note += f"; backlog at the end {(s1 - b1) / SESSIONS / RATE * 1e3:.0f} ms of stream"
+    note += f"; backlog at the end {max(0, s1 - b1) / SESSIONS / RATE * 1e3:.0f} ms of stream"
     if left == 0:
         note += "; WARNING: some stream ended inside the window"
     return [
