@@ -178,8 +178,8 @@ async def test_idle_connection_closed_by_server_is_not_used(
     async with client(t) as c:
         assert (await c.get(srv.url)).content == b"ok"
         # the pooled connection is readable (EOF): seen as closed when taken
-        while srv.threads[0].is_alive():
-            await trio.sleep(0.01)
+        await trio.to_thread.run_sync(srv.threads[0].join, 10)
+        assert not srv.threads[0].is_alive()
         assert (await c.get(srv.url)).content == b"ok"
     assert t.connections_made == 2
     assert t.resent == 0  # not written to the dead one and sent again: never written there
