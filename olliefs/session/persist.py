@@ -13,6 +13,8 @@ at most the part of a turn that was still running. A torn last line (a crash ins
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -288,6 +290,56 @@ def sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """``rename(src, dst)`` that fails with FileExistsError instead of replacing
+    ``dst`` (renameat2 RENAME_NOREPLACE: atomic, one name or the other). Where the
+    filesystem cannot do that, a hard link and an unlink (a crash between them leaves
+    both names, never neither); across filesystems, a copy that is synced first."""
+    rc = _libc.renameat2(
+        _AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE
+    )
+    if rc == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        raise FileExistsError(err, os.strerror(err), str(dst))
+    if err not in (errno.EINVAL, errno.ENOSYS, errno.EXDEV):
+        raise OSError(err, os.strerror(err), str(src))
+    if err == errno.EXDEV:
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, dst)
+        finally:
+            os.unlink(tmp)
+    else:
+        os.link(src, dst)
+    os.unlink(src)
+
+
+def keep_as(src: Path, directory: Path, stamp: str, sid: str, ext: str) -> Path:
+    """Move ``src`` to ``directory/STAMP-ID.EXT``, or ``STAMP.N-ID.EXT`` (N = 2, 3, ...)
+    when that name is taken (two sessions of one name removed, or one saved twice,
+    within a second): a transcript never replaces another. The directory is synced."""
+    n = 1
+    while True:
+        dest = directory / (f"{stamp}-{sid}{ext}" if n == 1 else f"{stamp}.{n}-{sid}{ext}")
+        try:
+            rename_noreplace(src, dest)
+            break
+        except FileExistsError:
+            n += 1
+    sync_dir(directory)
+    return dest
 
 
 def write_branch(root: Path, k: int, messages: Sequence[Message], chat: bytes) -> None:

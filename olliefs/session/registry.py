@@ -502,19 +502,18 @@ class Registry:
         """``ctl save``: the chat so far as ``tr/<stamp>-<id>.md``."""
         size = len(s.chat)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
-        dest = self.paths.transcripts / f"{stamp}-{s.id}.md"
+        tr = self.paths.transcripts
 
-        def write() -> None:
+        def write() -> Path:
             data = s.chat.read(0, size)
-            tmp = dest.with_suffix(".md.tmp")
+            tmp = tr / f".{stamp}-{s.id}.md.tmp"
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, dest)
-            persist.sync_dir(self.paths.transcripts)
+            return persist.keep_as(tmp, tr, stamp, s.id, ".md")
 
-        await trio.to_thread.run_sync(write)
+        dest = await trio.to_thread.run_sync(write)
         s.emit("info", f"saved to tr/{dest.name}")
 
     def compactions_root(self) -> Path:
@@ -610,19 +609,16 @@ class Registry:
         for hook in self.on_kill:
             hook(s)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
-        dest = self.paths.transcripts / f"{stamp}-{s.id}.jsonl"
+        return self._keep(s, stamp)
 
-        return self._keep(s, dest)
-
-    async def _keep(self, s: Session, dest: Path) -> None:
+    async def _keep(self, s: Session, stamp: str) -> None:
         # The fsync in a worker thread; the close itself here, on the thread that appends,
         # so no append can meet a descriptor closed (or reused) under it.
         await trio.to_thread.run_sync(s.journal.sync)
         s.journal.close()
 
         def move() -> None:
-            shutil.move(s.journal.path, dest)
-            persist.sync_dir(self.paths.transcripts)
+            persist.keep_as(s.journal.path, self.paths.transcripts, stamp, s.id, ".jsonl")
             persist.sync_dir(self.paths.sessions)
 
         await trio.to_thread.run_sync(move)

@@ -256,6 +256,25 @@ def test_transcripts_appear_and_may_be_removed(daemon: Daemon) -> None:
     assert len(os.listdir(daemon.p("tr"))) == 1
 
 
+def test_no_transcript_replaces_another(daemon: Daemon) -> None:
+    """Three sessions of one name removed, and one saved three times, in quick
+    succession (mostly within one second): every journal and every save is kept."""
+    for i in range(3):
+        sid = daemon.new(name="twin")
+        daemon.prompt(sid, f"I am twin {i}")
+        daemon.wait_idle(sid)
+        for _ in range(3 if i == 0 else 0):
+            daemon.write(f"s/{sid}/ctl", "save")
+        shutil.rmtree(daemon.p(f"s/{sid}"))
+    names = sorted(os.listdir(daemon.p("tr")))
+    journals = [n for n in names if n.endswith("-twin.jsonl")]
+    assert len(journals) == 3 and len([n for n in names if n.endswith("-twin.md")]) == 3
+    said = sorted(
+        i for n in journals for i in range(3) if f"I am twin {i}" in daemon.read(f"tr/{n}")
+    )
+    assert said == [0, 1, 2]
+
+
 # ---- t/: tool scripts --------------------------------------------------------------------
 
 TOOL = """#!/bin/sh
