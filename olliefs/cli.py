@@ -209,6 +209,11 @@ def _export_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    from olliefs import memory
+
+    if args.foreground or args.ready_fd is not None:
+        memory.reexec_with_huge_pages()  # returns when already done (or not wanted)
+        memory.settle_environment()
     p = paths()
     mnt = os.path.abspath(os.path.expanduser(args.mountpoint or default_mountpoint()))
     exports = _exports(args)
@@ -235,7 +240,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     private_file(p.log_file)
     with open(os.devnull, "rb") as devnull, open(p.log_file, "ab") as logf:
         child = subprocess.Popen(
-            cmd, pass_fds=(w,), stdin=devnull, stdout=logf, stderr=logf, start_new_session=True
+            cmd,
+            pass_fds=(w,),
+            stdin=devnull,
+            stdout=logf,
+            stderr=logf,
+            start_new_session=True,
+            env=memory.huge_page_environment(os.environ),  # None: this environment
         )
     os.close(w)
     with os.fdopen(r, "rb") as pipe:

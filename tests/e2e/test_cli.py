@@ -22,10 +22,13 @@ import pyfuse3
 import pytest
 from landlock.plumbing import landlock_abi_version
 
+from olliefs import memory
 from olliefs.cli import parser
 from olliefs.replay import ReplayServer
 from olliefs.settings import shipped_dir
 from olliefs.testing import HAVE_FUSE
+
+from .test_huge_pages import environ, heap_flags
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse (mounts for real)")
 
@@ -705,3 +708,13 @@ def test_man_command_finds_the_installed_pages() -> None:
         assert Path(r.stdout.strip()).name == file
     r = subprocess.run([OLLIE, "man", "nope"], capture_output=True, text=True, check=False)
     assert r.returncode == 1 and r.stderr.startswith("ollie: no man page 'nope'")
+
+
+def test_background_daemon_heap_has_huge_pages(cli: Cli) -> None:
+    """The daemon child gets glibc's huge page tunable from ``ollie mount`` (see
+    tests/e2e/test_huge_pages.py for the foreground daemon and the environment)."""
+    r = cli.run("mount", str(cli.mnt))
+    assert r.returncode == 0, r.stderr
+    pid = cli.daemon_pid()
+    assert ("hg" in heap_flags(pid)) == memory._thp_usable()
+    assert "OLLIE_GLIBC_TUNABLES_WAS" in environ(pid)  # started with it, by its parent
