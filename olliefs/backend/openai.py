@@ -45,6 +45,7 @@ from olliefs.backend.stream import (
     Secrets,
     SSEDecoder,
     bad_payload,
+    data_payloads,
     http_error,
     one_line,
 )
@@ -139,6 +140,34 @@ _CHUNK = msgspec.json.Decoder(_Chunk)
 _CHUNKS = msgspec.json.Decoder(list[_Chunk])
 
 
+# The same payloads when each is nothing but a piece of the reply's text: the fields the
+# parser reads are typed so that anything else (a tool call, reasoning, a finish reason,
+# usage, an error, no content, two choices) fails to decode, and the read takes the
+# general path. Unknown fields are skipped, as ``_Chunk`` skips them.
+class _TextDelta(msgspec.Struct, gc=False):
+    content: str
+    reasoning_content: None = None
+    reasoning: None = None
+    reasoning_details: None = None
+    tool_calls: None = None
+    function_call: None = None
+
+
+class _TextChoice(msgspec.Struct, gc=False):
+    delta: _TextDelta
+    finish_reason: None = None
+
+
+class _TextChunk(msgspec.Struct, gc=False):
+    choices: tuple[_TextChoice]
+    id: str | None = None
+    usage: None = None
+    error: None = None
+
+
+_TEXT_CHUNKS = msgspec.json.Decoder(list[_TextChunk])
+
+
 class _PartialCall:
     __slots__ = ("arguments", "id", "name")
 
@@ -179,22 +208,44 @@ class OpenAIParser:
     def feed(self, chunk: bytes, out: list[StreamEvent]) -> None:
         """A read whose events are all plain ``data:`` lines (nearly every read) has its
         payloads decoded in one msgspec call, as one JSON array: one call per delta was
-        half of what a 50-byte delta cost. Anything else in the read (``[DONE]``, an
-        error object, a payload that does not decode) sends that read one payload at a
-        time through the general path, which says exactly what was wrong."""
-        payloads = self._sse.feed_data(chunk)
-        if payloads is None:
+        half of what a 50-byte delta cost. When every payload is a piece of text (the
+        array decodes as ``_TextChunk``s) the read is one ``content`` delta, made
+        without a Python step per payload; otherwise the payloads go through ``_one``.
+        Anything else in the read (``[DONE]``, an error object, a payload that does not
+        decode) sends that read one payload at a time through the general path, which
+        says exactly what was wrong."""
+        got = self._sse.feed_array(chunk)
+        if got is None:
             self._read([m.data for m in self._sse.feed(chunk)], out)
             return
+        array, head, n = got
+        if not n:
+            return
+        try:
+            texts = _TEXT_CHUNKS.decode(array)
+        except msgspec.DecodeError:
+            texts = []
+        if len(texts) == n:  # the common case: pieces of text, one delta for the read
+            # (a different count: a payload held more than one value)
+            for piece in reversed(texts):
+                if piece.id:
+                    self._response_id = piece.id
+                    break
+            text = "".join([piece.choices[0].delta.content for piece in texts])
+            if text:
+                out.append(StreamEvent("content", text=text))
+            return
+        payloads = data_payloads(head)
         if len(payloads) > 1:
             try:
-                chunks = _CHUNKS.decode(b"[%b]" % b",".join(payloads))
+                chunks = _CHUNKS.decode(array)
             except msgspec.DecodeError:
                 pass
             else:
-                for data, parsed in zip(payloads, chunks, strict=True):
-                    self._one(parsed, data, out)
-                return
+                if len(chunks) == n:
+                    for data, parsed in zip(payloads, chunks, strict=True):
+                        self._one(parsed, data, out)
+                    return
         self._read(payloads, out)
 
     def close(self, out: list[StreamEvent]) -> None:

@@ -143,6 +143,17 @@ class LineSplitter:
         return [rest] if rest else []
 
 
+_NO_EVENTS = (b"[]", b"", 0)
+# Events longer than this (up to their first line end) are found one by one; shorter
+# ones, many to a read, all at once (``SSEDecoder.feed_array``).
+_SHORT_EVENT = 512
+
+
+def data_payloads(head: bytes) -> list[bytes]:
+    """The payloads of ``head`` from ``SSEDecoder.feed_array``, one by one."""
+    return [event[6:] for event in head[:-2].split(b"\n\n")] if head else []
+
+
 class SSEDecoder:
     """Server-sent events from bytes, incrementally (the WHATWG parsing rules).
 
@@ -242,6 +253,51 @@ class SSEDecoder:
         if b"\r" in buf or buf[:6] != b"data: ":
             return None
         return self._data_lines(buf)
+
+    def feed_array(self, chunk: bytes) -> tuple[bytes, bytes, int] | None:
+        """Like ``feed_data``, with the payloads as one JSON array: ``(b"[P1,P2,...]",
+        the events' bytes, how many)``, ``(b"[]", b"", 0)`` when no event ends in here;
+        None, with nothing consumed, when the read holds anything but single-line
+        ``data:`` events. (The count tells a payload of two JSON values with a comma
+        between them from two payloads.)
+
+        Long events are found one by one (``_data_lines``: a memchr per event). Short
+        ones (a 50-byte delta is a ~150-byte event, a thousand to a read) are cut and
+        joined without a Python step per event: the events end at the last blank line;
+        cut at each blank line followed by ``data: `` and joined with commas, they are
+        the array, unless a line end is left in it (a line that is not ``data:``, an
+        event of two lines, a third line end in a row): then the read is the general
+        path's.
+        """
+        if not self._started:
+            return None
+        parts = self._parts
+        if b"\n" not in chunk and b"\r" not in chunk:
+            if chunk:  # no event can end in here: kept, not joined (a long one)
+                parts.append(chunk)
+            return _NO_EVENTS
+        buf = b"".join([*parts, chunk]) if parts else chunk
+        if b"\r" in buf or buf[:6] != b"data: ":
+            return None
+        if buf.find(b"\n") > _SHORT_EVENT:
+            payloads = self._data_lines(buf)
+            if payloads is None:
+                return None
+            if not payloads:
+                return _NO_EVENTS
+            head = buf[: len(buf) - sum(map(len, self._parts))]
+            return b"[%b]" % b",".join(payloads), head, len(payloads)
+        end = buf.rfind(b"\n\n") + 2
+        if end == 1:  # no blank line yet
+            self._parts = [buf]
+            return _NO_EVENTS
+        head = buf[:end] if end < len(buf) else buf
+        payloads = head[6:-2].split(b"\n\ndata: ")
+        array = b"[%b]" % b",".join(payloads)
+        if b"\n" in array:
+            return None  # a line that is not data:, a longer event, or a third line end
+        self._parts = [buf[end:]] if end < len(buf) else []
+        return array, head, len(payloads)
 
     @property
     def last_id(self) -> str:

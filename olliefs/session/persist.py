@@ -254,13 +254,23 @@ class Journal:
 
     def append_event(self, line: bytes) -> None:
         """An ``Ev`` record of the event whose ``encode_line`` is ``line``."""
+        if self._fd < 0:
+            return
         with memoryview(line) as view, view[:-1] as event:
-            self._write(b"".join((_EV_HEAD, event, b"}\n")))
+            self._writev([_EV_HEAD, event, b"}\n"], len(line) + len(_EV_HEAD) + 1)
 
     def _write(self, data: bytes) -> None:
         if self._fd < 0:
             return  # closed: the session is gone, and what it still says goes nowhere
         os.write(self._fd, data)
+        self._appended += 1
+
+    def _writev(self, parts: list[bytes | memoryview], size: int) -> None:
+        """``parts`` as one record, without joining them first (a delta can be large).
+        O_APPEND: a writev lands whole at the end, as one write would."""
+        done = os.writev(self._fd, parts)
+        if done < size:  # short (a full disk, or a signal): the rest, once joined
+            os.write(self._fd, b"".join(parts)[done:])
         self._appended += 1
 
     @property

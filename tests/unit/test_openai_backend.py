@@ -37,7 +37,7 @@ from olliefs.backend.base import (
 )
 from olliefs.backend.openai import OpenAIBackend, OpenAIParser, normalize_base_url
 from olliefs.backend.pool import backend_names, make_backend
-from olliefs.backend.stream import SSEDecoder
+from olliefs.backend.stream import SSEDecoder, coalesce
 
 KEY = "sk-test-0123456789abcdef"
 USER = [Message("user", "hi")]
@@ -729,14 +729,18 @@ _items = st.one_of(
     st.just(finish("stop")),
     st.just({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}),
     st.just({"error": {"message": "overloaded", "code": 529}}),
-    st.sampled_from(["not json", "[DONE]", "", "{}", '{"choices": 3}']),
+    st.builds(lambda t: delta(content=t * 100), st.text(min_size=6, max_size=8)),  # long
+    st.sampled_from(
+        ["not json", "[DONE]", "", "{}", '{"choices": 3}', '{"choices":[]},{"choices":[]}']
+    ),
+    st.just(json.dumps(delta(content="p")) + "," + json.dumps(delta(content="q"))),
 )
 
 
 class _OneByOne(SSEDecoder):
     """Never offers a read's payloads as a batch: the parser reads each one by itself."""
 
-    def feed_data(self, chunk: bytes) -> None:
+    def feed_array(self, chunk: bytes) -> None:
         return None
 
 
@@ -746,15 +750,20 @@ def _outcome(body: bytes, cuts: list[int], one_by_one: bool) -> tuple[list[Strea
         parser._sse = _OneByOne()
     points = sorted({c % (len(body) + 1) for c in cuts})
     out: list[StreamEvent] = []
+    read: list[StreamEvent] = []  # as the backend does: each read's deltas coalesced
     try:
         for a, b in zip([0, *points], [*points, len(body)], strict=True):
-            parser.feed(body[a:b], out)
+            read = []
+            parser.feed(body[a:b], read)
+            out += coalesce(read)
             if parser.done:
                 break
         else:
-            parser.close(out)
+            read = []
+            parser.close(read)
+            out += coalesce(read)
     except BackendError as err:
-        return out, f"{type(err).__name__}: {err}"
+        return out + coalesce(read), f"{type(err).__name__}: {err}"
     return out, ""
 
 

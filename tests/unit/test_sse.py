@@ -25,6 +25,7 @@ from olliefs.backend.stream import (
     LineSplitter,
     NDJSONSplitter,
     SSEDecoder,
+    data_payloads,
     http_error,
     httpx_errors,
     one_line,
@@ -181,6 +182,64 @@ async def test_same_messages_however_the_bytes_are_split(
     points = sorted({cut % (len(body) + 1) for cut in cuts})
     chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
     assert await sse_of(*chunks) == expected
+
+
+async def sse_arrays_of(*chunks: bytes) -> list[Message]:
+    """As ``sse_of``, the way the OpenAI parser reads: ``feed_array`` first, ``feed``
+    for a read it declines; the array checked against the payloads it holds."""
+    decoder = SSEDecoder()
+    messages: list[Message] = []
+    for chunk in chunks:
+        got = decoder.feed_array(chunk)
+        if got is None:
+            messages += [(m.data.decode(), m.event, m.id) for m in decoder.feed(chunk)]
+            continue
+        array, head, n = got
+        payloads = data_payloads(head)
+        assert array == b"[" + b",".join(payloads) + b"]" and n == len(payloads)
+        messages += [(data.decode(), "", decoder.last_id) for data in payloads]
+    return messages + [(m.data.decode(), m.event, m.id) for m in decoder.close()]
+
+
+_short = st.text(st.characters(exclude_characters="\r\n", exclude_categories=["Cs"]), max_size=8)
+_long = st.builds(lambda t: t * 100, _short)  # past _SHORT_EVENT: found one by one
+
+
+@st.composite
+def _data_streams(draw: st.DrawFn) -> tuple[bytes, list[Message]]:
+    """Mostly single-line ``data:`` events (what feed_array takes), now and then
+    anything else a stream may hold."""
+    text, last_id, expected = "", "", []
+    for kind in draw(st.lists(st.sampled_from("sssssslxcei3"), max_size=12)):
+        if kind in "sl":
+            value = draw(_short if kind == "s" else _long)
+            text += f"data: {value}\n\n"
+            expected.append(M(value, "", last_id))
+        elif kind == "x":  # an event of two data lines
+            text += "data: a\ndata: b\n\n"
+            expected.append(M("a\nb", "", last_id))
+        elif kind == "c":
+            text += ": keep-alive\n\n"
+        elif kind == "e":
+            text += "event: delta\ndata: e\n\n"
+            expected.append(M("e", "delta", last_id))
+        elif kind == "i":
+            last_id = draw(_short.filter(lambda v: "\x00" not in v))
+            text += f"id: {last_id}\ndata: i\n\n"
+            expected.append(M("i", "", last_id))
+        else:  # a third line end between two events
+            text += "\n"
+    return text.encode(), expected
+
+
+@given(_data_streams(), st.lists(st.integers(min_value=0), max_size=8))
+async def test_arrays_of_data_lines_hold_the_same_messages(
+    stream: tuple[bytes, list[Message]], cuts: list[int]
+) -> None:
+    body, expected = stream
+    points = sorted({cut % (len(body) + 1) for cut in cuts})
+    chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
+    assert await sse_arrays_of(*chunks) == expected
 
 
 # --- HTTP status -> error ------------------------------------------------------------------
