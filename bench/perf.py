@@ -132,18 +132,21 @@ def in_turns(
     ours: Callable[[], object], ref: Callable[[], object], n: int
 ) -> tuple[list[float], list[float]]:
     """``timed`` for both, one call of each in turn: on a machine shared with other
-    jobs a burst of theirs then slows both sides alike, not whichever ran then."""
+    jobs a burst of theirs then slows both sides alike, not whichever ran then. Which
+    goes first alternates: the one that runs right after the bench's own bookkeeping
+    (and after the other filesystem's request) is not always the same."""
     ours()
     ref()
     a, b = [], []
-    for _ in range(n):
+    for i in range(n):
+        first, second, x, y = (ours, ref, a, b) if i % 2 == 0 else (ref, ours, b, a)
         t0 = time.perf_counter()
-        ours()
+        first()
         t1 = time.perf_counter()
-        ref()
+        second()
         t2 = time.perf_counter()
-        a.append(t1 - t0)
-        b.append(t2 - t1)
+        x.append(t1 - t0)
+        y.append(t2 - t1)
     return a, b
 
 

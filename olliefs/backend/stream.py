@@ -236,30 +236,14 @@ class SSEDecoder:
             last_id = self._id
         return out
 
-    def feed_data(self, chunk: bytes) -> list[bytes] | None:
-        """The payloads of the events ``chunk`` completes, when every one of them is a
-        single ``data:`` line (the shape of nearly every provider's stream, and what a
-        parser can then decode in one call); None, with nothing consumed, when the
-        read holds anything else: then ``feed(chunk)`` reads it. Each payload's event
-        has no ``event:`` name and the id ``last_id``."""
-        if not self._started:
-            return None
-        parts = self._parts
-        if b"\n" not in chunk and b"\r" not in chunk:
-            if chunk:  # no event can end in here: kept, not joined (a long one)
-                parts.append(chunk)
-            return []
-        buf = b"".join([*parts, chunk]) if parts else chunk
-        if b"\r" in buf or buf[:6] != b"data: ":
-            return None
-        return self._data_lines(buf)
-
     def feed_array(self, chunk: bytes) -> tuple[bytes, bytes, int] | None:
-        """Like ``feed_data``, with the payloads as one JSON array: ``(b"[P1,P2,...]",
-        the events' bytes, how many)``, ``(b"[]", b"", 0)`` when no event ends in here;
-        None, with nothing consumed, when the read holds anything but single-line
-        ``data:`` events. (The count tells a payload of two JSON values with a comma
-        between them from two payloads.)
+        """The payloads of the events ``chunk`` completes, when every one of them is a
+        single ``data:`` line (the shape of nearly every provider's stream), as one JSON
+        array a parser can decode in one call: ``(b"[P1,P2,...]", the events' bytes,
+        how many)``, ``(b"[]", b"", 0)`` when no event ends in here; None, with nothing
+        consumed, when the read holds anything else: then ``feed(chunk)`` reads it.
+        Each payload's event has no ``event:`` name and the id ``last_id``. (The count
+        tells a payload of two JSON values with a comma between them from two.)
 
         Long events are found one by one (``_data_lines``: a memchr per event). Short
         ones (a 50-byte delta is a ~150-byte event, a thousand to a read) are cut and

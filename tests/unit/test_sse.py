@@ -179,9 +179,13 @@ async def test_same_messages_however_the_bytes_are_split(
     stream: tuple[bytes, list[Message]], cuts: list[int]
 ) -> None:
     body, expected = stream
-    points = sorted({cut % (len(body) + 1) for cut in cuts})
-    chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
-    assert await sse_of(*chunks) == expected
+    assert await sse_of(*cut(body, cuts)) == expected
+
+
+def cut(body: bytes, cuts: list[int]) -> list[bytes]:
+    """``body`` in reads, cut at ``cuts`` (each taken modulo its length + 1)."""
+    points = sorted({c % (len(body) + 1) for c in cuts})
+    return [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
 
 
 async def sse_arrays_of(*chunks: bytes) -> list[Message]:
@@ -237,9 +241,7 @@ async def test_arrays_of_data_lines_hold_the_same_messages(
     stream: tuple[bytes, list[Message]], cuts: list[int]
 ) -> None:
     body, expected = stream
-    points = sorted({cut % (len(body) + 1) for cut in cuts})
-    chunks = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
-    assert await sse_arrays_of(*chunks) == expected
+    assert await sse_arrays_of(*cut(body, cuts)) == expected
 
 
 # --- HTTP status -> error ------------------------------------------------------------------
