@@ -137,7 +137,8 @@ def in_turns(
     (and after the other filesystem's request) is not always the same."""
     ours()
     ref()
-    a, b = [], []
+    a: list[float] = []
+    b: list[float] = []
     for i in range(n):
         first, second, x, y = (ours, ref, a, b) if i % 2 == 0 else (ref, ours, b, a)
         t0 = time.perf_counter()
