@@ -181,12 +181,12 @@ def run_daemon(
 def _exports(args: argparse.Namespace) -> Exports | None:
     """The ``--9p`` addresses and key, checked before anything starts: an address off
     loopback is refused unless ``--9p-allow-remote`` and a key file are given."""
-    from olliefs.fs import ninep
-
     if not args.ninep:
         if args.ninep_allow_remote or args.ninep_key_file:
             raise CliError("--9p-allow-remote and --9p-key-file go with --9p ADDRESS")
         return None
+    from olliefs.fs import ninep  # the 9P server and its codec: only for an export
+
     try:
         addresses = [ninep.parse_address(a) for a in args.ninep]
         key = ninep.read_key(args.ninep_key_file) if args.ninep_key_file else None
