@@ -377,19 +377,30 @@ def write_branch(root: Path, k: int, messages: Sequence[Message], chat: bytes) -
     sync_dir(root)
 
 
-def repair(path: Path) -> None:
-    """Cut a torn last line so that the next append starts on a line of its own."""
-    data = path.read_bytes()
+def _repaired(path: Path, data: bytes) -> bytes:
+    """``data`` without a torn last line, cut from the file too, so that the next
+    append starts on a line of its own."""
     if data and not data.endswith(b"\n"):
         keep = data.rfind(b"\n") + 1
         log.warning("%s: torn last record (%d bytes) cut", path, len(data) - keep)
         os.truncate(path, keep)
+        return data[:keep]
+    return data
 
 
 def read_journal(path: Path) -> list[Record]:
     """All complete records; a torn or undecodable line ends the replay there."""
+    return _records(path, path.read_bytes())
+
+
+def restore_journal(path: Path) -> list[Record]:
+    """``read_journal`` of a journal whose torn last line, if any, is cut from the
+    file first; one read of the file (a restore read each journal twice)."""
+    return _records(path, _repaired(path, path.read_bytes()))
+
+
+def _records(path: Path, data: bytes) -> list[Record]:
     records: list[Record] = []
-    data = path.read_bytes()
     for n, line in enumerate(data.split(b"\n")[:-1], 1):
         if not line.strip():
             continue

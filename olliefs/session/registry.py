@@ -653,8 +653,7 @@ class Registry:
     def _restore_all(self) -> None:
         for path in sorted(self.paths.sessions.glob("*.jsonl")):
             try:
-                persist.repair(path)
-                records = persist.read_journal(path)
+                records = persist.restore_journal(path)
                 if not records and path.stat().st_size == 0:
                     # s/new (or a fork) killed before its create record was whole: the
                     # create never returned, since it returns only once the record is
