@@ -47,7 +47,7 @@ MERGE = 4096  # appends are merged into the last piece while it is smaller than 
 class GrowingLog:
     """Append-only bytes with a broadcast wake-up for readers waiting at the end."""
 
-    def __init__(self, path: Path | None = None, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, path: str | Path | None = None, window: int = DEFAULT_WINDOW) -> None:
         self._pieces: list[bytes] = []  # the bytes in memory, oldest first
         self._starts: list[int] = []  # offset in the log of each piece
         self._base = 0  # offset in the log of the first byte in memory

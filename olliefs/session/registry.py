@@ -92,6 +92,7 @@ class Registry:
         self.logs_dir = paths.state / "logs"
         self._old_logs = _set_aside(self.logs_dir)
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._logs = str(self.logs_dir)
         self.events = GrowingLog(self.logs_dir / "events")
         self._pool: pool.Pool | None = None  # made at its first use (see ``pool``)
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
@@ -302,8 +303,9 @@ class Registry:
                 return d / name
         return None
 
-    def log_path(self, uid: str, kind: str) -> Path | None:
-        return self.logs_dir / f"{uid}.{kind}"
+    def log_path(self, uid: str, kind: str) -> str | None:
+        # A string: pathlib's ``/`` was a tenth of what restoring a session cost.
+        return f"{self._logs}/{uid}.{kind}"
 
     # ---- families: parents, children, siblings (``<parent>__<child>``) ------------------
 
