@@ -11,19 +11,23 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from types import FrameType
 
+import trio
+
 from olliefs.replay import ReplayServer
 from olliefs.settings import shipped_dir
 from olliefs.toolclient.client import ToolsrvConn, connect
+from toolsrv.protect import FILE_EVENTS, Inotify
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and os.access("/dev/fuse", os.R_OK | os.W_OK)
 
@@ -49,6 +53,74 @@ def deadline(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def wait_until(
+    cond: Callable[[], object],
+    what: str,
+    timeout: float = 30,
+    *,
+    files: Iterable[str | Path] = (),
+    exits: Iterable[int] = (),
+    reaps: Iterable[int] = (),
+) -> None:
+    """Wait until ``cond()`` holds, looking again only when something it depends on
+    happened, never after a delay: an entry of the directory of one of ``files`` made,
+    written, renamed or removed (inotify), one of ``exits`` ended, one of ``reaps``
+    reaped (a pidfd: readable at the exit, hung up at the reaping). AssertionError
+    naming ``what`` after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    poller = select.poll()
+    watch = None
+    pidfds: list[int] = []
+    try:
+        dirs = {str(Path(f).parent) for f in files}
+        if dirs:
+            watch = Inotify()
+            for d in dirs:
+                if watch.add(d, FILE_EVENTS) is None:
+                    raise AssertionError(f"cannot watch {d}")
+            poller.register(watch.fd, select.POLLIN)
+        for pids, mask in ((exits, select.POLLIN), (reaps, 0)):
+            for pid in pids:
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    continue  # gone (and reaped) already
+                pidfds.append(fd)
+                poller.register(fd, mask)  # 0: only the hang-up, at the reaping
+        while not cond():
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"never happened: {what}")
+            for fd, _ in poller.poll(left * 1000):
+                if watch is not None and fd == watch.fd:
+                    watch.read()  # drained; what changed is cond's to judge
+                else:
+                    poller.unregister(fd)  # it happened, and it stays so
+    finally:
+        if watch is not None:
+            watch.close()
+        for fd in pidfds:
+            os.close(fd)
+
+
+async def await_until(
+    cond: Callable[[], object],
+    what: str,
+    timeout: float = 30,
+    *,
+    files: Iterable[str | Path] = (),
+    exits: Iterable[int] = (),
+    reaps: Iterable[int] = (),
+) -> None:
+    """``wait_until`` from a trio task (in a worker thread: ``cond`` must not touch
+    trio's objects)."""
+    files, exits, reaps = list(files), list(exits), list(reaps)
+    await trio.to_thread.run_sync(
+        lambda: wait_until(cond, what, timeout, files=files, exits=exits, reaps=reaps),
+        abandon_on_cancel=True,
+    )
 
 
 class Daemon:

@@ -45,6 +45,7 @@ _FRESH_NS = 100_000_000
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
 _IN_MODIFY_DIR = 0x100 | 0x200 | 0x40 | 0x80  # CREATE, DELETE, MOVED_FROM, MOVED_TO
+FILE_EVENTS = _IN_MODIFY_DIR | 0x02 | 0x08  # and MODIFY, CLOSE_WRITE of the entries
 _IN_SELF = 0x400 | 0x800  # DELETE_SELF, MOVE_SELF
 _IN_ONLYDIR = 0x01000000
 _IN_DONT_FOLLOW = 0x02000000
@@ -73,16 +74,18 @@ def fs_type(path: str) -> int | None:
     return int(struct.unpack_from("l", buf.raw)[0])
 
 
-class _Inotify:
-    """Directory watches for the scan (one fd per ProtectedScan)."""
+class Inotify:
+    """Directory watches: the scan's (one fd per ProtectedScan), and the tests' waits."""
 
     def __init__(self) -> None:
         self.fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if self.fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1")
 
-    def add(self, path: str) -> int | None:
-        mask = _IN_MODIFY_DIR | _IN_SELF | _IN_ONLYDIR | _IN_DONT_FOLLOW
+    def add(self, path: str, events: int = _IN_MODIFY_DIR) -> int | None:
+        """Watch the directory ``path`` for ``events`` (default: entries made, removed
+        or renamed; ``FILE_EVENTS``: their contents written too) and its own end."""
+        mask = events | _IN_SELF | _IN_ONLYDIR | _IN_DONT_FOLLOW
         wd = int(_libc.inotify_add_watch(self.fd, os.fsencode(path), mask))
         return wd if wd >= 0 else None
 
@@ -134,10 +137,10 @@ class ProtectedScan:
         self.max_dirs = max_dirs
         self._trees: dict[str, _Tree] = {}
         self._paths: dict[int, tuple[_Tree, str]] = {}  # watch -> its directory
-        self._inotify: _Inotify | None = None
+        self._inotify: Inotify | None = None
         if inotify:
             try:
-                self._inotify = _Inotify()
+                self._inotify = Inotify()
             except OSError as err:
                 log.debug("no inotify for the protected-name scan: %s", err)
         self.listed = 0  # directories listed so far (tests and benches read it)

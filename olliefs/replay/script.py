@@ -124,7 +124,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -222,7 +222,8 @@ class Recorded(msgspec.Struct, frozen=True):
 class Script:
     """The entries still to play, the requests seen so far, and the fallback answer.
 
-    Shared by the server's connection threads, hence the lock.
+    Shared by the server's connection threads, hence the lock; each request recorded
+    wakes those waiting for requests (``wait_recorded``).
     """
 
     def __init__(self, entries: Sequence[Entry] = (), then: str = "echo") -> None:
@@ -233,6 +234,7 @@ class Script:
         self._recorded: list[Recorded] = []
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
+        self._recorded_more = threading.Condition(self._lock)
 
     def add(self, entries: Iterable[Entry]) -> None:
         with self._lock:
@@ -243,11 +245,22 @@ class Script:
         with self._lock:
             return list(self._recorded)
 
+    def wait_recorded(
+        self, cond: Callable[[list[Recorded]], bool], timeout: float
+    ) -> list[Recorded]:
+        """Block until ``cond`` holds of the requests recorded so far, looking again at
+        each new one; AssertionError after ``timeout`` seconds."""
+        with self._recorded_more:
+            if not self._recorded_more.wait_for(lambda: cond(self._recorded), timeout):
+                raise AssertionError(f"the requests never came: {len(self._recorded)} so far")
+            return list(self._recorded)
+
     def take(self, recorded: Recorded, user_text: str, model: str = "") -> tuple[int, Entry]:
         """Record a request and pick its answer: the next entry for ``model`` (one without
         ``for_model`` fits any), or the fallback."""
         with self._lock:
             self._recorded.append(recorded)
+            self._recorded_more.notify_all()
             n = next(self._counter)
             for i, entry in enumerate(self._entries):
                 if entry.for_model is None or entry.for_model == model:

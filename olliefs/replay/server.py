@@ -638,6 +638,12 @@ class ReplayServer:
         """The model requests received so far, with their wire, path and headers."""
         return self.script.recorded
 
+    def wait_recorded(
+        self, cond: Callable[[list[Recorded]], bool], timeout: float = 30
+    ) -> list[Recorded]:
+        """Wait until ``cond`` holds of the model requests received (woken by each)."""
+        return self.script.wait_recorded(cond, timeout)
+
     def add(self, entries: Iterable[Entry]) -> None:
         """Append entries to the script while the server runs."""
         self.script.add(entries)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import trio
-
 
 def alive(pid: int) -> bool:
     """A live process (a zombie is dead: it only waits for its reaper)."""
@@ -14,16 +12,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
-
-
-async def wait_for(cond: object, what: str, limit: float = 30.0) -> None:
-    """Wait until ``cond()`` holds, checking a real state; fail after a generous limit."""
-    assert callable(cond)
-    with trio.move_on_after(limit):
-        while not cond():
-            await trio.sleep(0.005)
-        return
-    raise AssertionError(f"never happened: {what}")
 
 
 def read_pid(path: Path) -> int:

@@ -19,7 +19,8 @@ from olliefs.agent.hooks import (
     run_hook,
 )
 from olliefs.agent.shell import base_env, group_members
-from tests.agent.conftest import alive, read_pid, wait_for
+from olliefs.testing import await_until
+from tests.agent.conftest import alive, read_pid
 
 ENV = {**base_env(), "OLLIE": "/mnt/ollie", "OLLIE_SESSION_ID": "from-env"}
 PAYLOAD = {"session_id": "s1", "cwd": "/w", "tool": "file_write", "args": {"path": "a"}}
@@ -190,8 +191,10 @@ async def test_cancel_while_a_hook_runs_leaves_no_process(tmp_path: Path) -> Non
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hook, tmp_path, "sleep 1000 & echo $$ $! > bg.pid; wait")
-            await wait_for(
-                lambda: pidfile.exists() and len(pidfile.read_text().split()) == 2, "hook started"
+            await await_until(
+                lambda: pidfile.exists() and len(pidfile.read_text().split()) == 2,
+                "hook started",
+                files=[pidfile],
             )
             nursery.cancel_scope.cancel()
     leader, bg = (int(x) for x in pidfile.read_text().split())

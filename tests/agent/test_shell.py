@@ -8,7 +8,8 @@ from pathlib import Path
 import trio
 
 from olliefs.agent.shell import base_env, group_members, run_shell
-from tests.agent.conftest import alive, ignores_sigterm, read_pid, wait_for
+from olliefs.testing import await_until
+from tests.agent.conftest import alive, ignores_sigterm, read_pid
 
 ENV = base_env()
 
@@ -92,12 +93,11 @@ async def test_cancel_kills_the_whole_group(tmp_path: Path) -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, box)
-            await wait_for(lambda: gc.exists() and gc.read_text().strip(), "grandchild started")
-            pid = read_pid(gc)
-            await wait_for(
-                lambda: ignores_sigterm(pid) and Path(f"/proc/{pid}/comm").read_text() == "sleep\n",
-                "grandchild ignores SIGTERM and runs sleep",
+            await await_until(
+                lambda: gc.exists() and gc.read_text().strip(), "grandchild started", files=[gc]
             )
+            pid = read_pid(gc)
+            assert ignores_sigterm(pid)  # the trap comes before the pid is written
             pgid = os.getpgid(pid)
             box[0].cancel()
             await done.wait()

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,7 +359,9 @@ def hung(tmp_path: Path) -> Iterator[Callable[[], tuple[ReplayServer, Daemon, li
                         server.add([_for(entry, model)])
                         sids.append(daemon.new(name=model, backend=wire, model=model))
                         daemon.prompt(model, "go")
-                daemon.wait_for(lambda: all(requests_of(server, s) == 1 for s in sids), 60)
+                server.wait_recorded(
+                    lambda got: all(sum(r.model == s for r in got) == 1 for s in sids), 60
+                )
                 for sid in sids:
                     daemon.wait_state(sid, "thinking")
                 return server, daemon, sids
@@ -443,7 +444,7 @@ def test_silent_answers_nothing_until_stopped(server: ReplayServer) -> None:
     server.add([Entry(silent=True)])
     sock = raw_post(server, STREAM)
     try:
-        daemon_wait(lambda: len(server.recorded) == 1)
+        server.wait_recorded(lambda got: len(got) == 1)
         sock.settimeout(0.05)
         with pytest.raises(TimeoutError):
             sock.recv(1)  # nothing at all, not even a status line
@@ -471,9 +472,3 @@ def test_for_model_routes_and_headers_are_sent(server: ReplayServer) -> None:
     with raw_post(server, {**STREAM, "model": "b"}) as sock:
         assert b'"content":"for b"' in read_until(sock, b"[DONE]")
     assert [r.model for r in server.recorded] == ["a", "c", "b"]
-
-
-def daemon_wait(cond: Callable[[], bool]) -> None:
-    with deadline(30):
-        while not cond():
-            time.sleep(0.005)

@@ -13,7 +13,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from olliefs import memory
 from olliefs.cli import parser
 from olliefs.replay import ReplayServer
 from olliefs.settings import shipped_dir
-from olliefs.testing import HAVE_FUSE
+from olliefs.testing import HAVE_FUSE, wait_until
 
 from .test_huge_pages import environ, heap_flags
 
@@ -155,17 +154,20 @@ def test_mount_errors_are_one_clear_line(cli: Cli, tmp_path: Path) -> None:
     assert tcp.returncode == 1 and "only unix:PATH" in tcp.stderr
 
 
+def dead(mnt: Path) -> bool:
+    """The mount answers no more (ENOTCONN: its daemon is gone)."""
+    try:
+        os.stat(mnt)
+    except OSError:
+        return True
+    return False
+
+
 def test_stale_mount_of_a_killed_daemon_is_cleared(cli: Cli) -> None:
     assert cli.run("mount", str(cli.mnt)).returncode == 0
-    os.kill(cli.daemon_pid(), signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            os.stat(cli.mnt)
-        except OSError:
-            break  # ENOTCONN: the mount is dead
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    pid = cli.daemon_pid()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: dead(cli.mnt), "a dead mount (ENOTCONN)", 20, exits=[pid])
     r = cli.run("mount", str(cli.mnt))
     assert r.returncode == 0, r.stderr
     assert f"ollie: cleared a stale mount left at {cli.mnt} by a dead daemon" in r.stderr
@@ -175,11 +177,9 @@ def test_stale_mount_of_a_killed_daemon_is_cleared(cli: Cli) -> None:
 def test_sigterm_unmounts_cleanly(cli: Cli) -> None:
     assert cli.run("mount", str(cli.mnt)).returncode == 0
     pid = cli.daemon_pid()
+    pid_file = cli.home / "run" / "ollie.pid"
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    while os.path.exists(cli.home / "run" / "ollie.pid"):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: not pid_file.exists(), "the pid file removed", 20, files=[pid_file])
     assert os.listdir(cli.mnt) == []
 
 

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 
 from olliefs.replay import Entry, EntryToolCall, EntryUsage, ReplayServer, parse_script, run_cli
+from olliefs.testing import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 30.0  # generous bound on every blocking step, so a bug fails instead of hanging
@@ -416,9 +417,10 @@ def test_hang_ends_when_the_client_goes_away(serve: Serve) -> None:
     with raw_post(server, {"model": "m", "messages": USER, "stream": True}) as sock:
         assert read_until(sock, b"\r\n\r\n").endswith(b"\r\n\r\n")  # headers only
     deadline = time.monotonic() + TIMEOUT
-    while any(name.startswith("replay-conn") for name in replay_threads()):
-        assert time.monotonic() < deadline, "the hanging handler outlived its client"
-        time.sleep(0.01)
+    for thread in threading.enumerate():
+        if thread.name.startswith("replay-conn"):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            assert not thread.is_alive(), "the hanging handler outlived its client"
     with httpx.Client(timeout=TIMEOUT) as client:
         assert client.get(f"{server.url}/models").status_code == 200
 
@@ -430,10 +432,7 @@ def test_stop_interrupts_delays(serve: Serve) -> None:
     try:
         read_until(slow, END_OF_EVENT)  # headers and the first delta
         late = raw_post(server, {"model": "m", "messages": USER})
-        deadline = time.monotonic() + TIMEOUT
-        while len(server.requests) < 2:  # the second request is in its first_delay
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        server.wait_recorded(lambda got: len(got) >= 2, TIMEOUT)  # the second: first_delay
         stop_promptly(server)
         assert b"[DONE]" not in read_all(slow)
         assert read_all(late) == b""  # no response at all
@@ -597,11 +596,14 @@ def test_cli_subprocess(tmp_path: Path) -> None:
         env=env,
     ) as proc:
         try:
-            deadline = time.monotonic() + TIMEOUT
-            while not port_file.exists():
-                assert proc.poll() is None, "the server exited early"
-                assert time.monotonic() < deadline, "no port file"
-                time.sleep(0.02)
+            wait_until(
+                lambda: port_file.exists() or proc.poll() is not None,
+                "a port file",
+                TIMEOUT,
+                files=[port_file],
+                exits=[proc.pid],
+            )
+            assert proc.poll() is None, "the server exited early"
             port = int(port_file.read_text())
             with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=TIMEOUT) as c:
                 assert [m["id"] for m in c.get("/models").json()["data"]] == ["one", "two"]

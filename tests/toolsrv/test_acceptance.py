@@ -22,6 +22,7 @@ import trio.testing
 from ninep import NinePError
 from ninep.client import Client
 from ninep.codec import OREAD, OWRITE
+from olliefs.testing import await_until
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
 from tests.toolsrv.harness import ToolsrvProc, pid_alive, running_toolsrv, tool_env
 from toolsrv.exec import cgroup
@@ -223,9 +224,12 @@ STUBBORN = (
 
 
 async def wait_file(path: Path, lines: int = 1) -> list[str]:
-    with trio.fail_after(20):
-        while not path.exists() or len(path.read_text().split()) < lines:
-            await trio.sleep(0.01)
+    await await_until(
+        lambda: path.exists() and len(path.read_text().split()) >= lines,
+        f"{lines} lines in {path}",
+        20,
+        files=[path],
+    )
     return path.read_text().split()
 
 
@@ -249,9 +253,7 @@ async def start_call(conn: ToolsrvConn, tool: str, args: dict[str, str], work: P
 
 async def assert_all_gone(pids: list[int]) -> None:
     # Killing is synchronous in toolsrv; reaping an orphan re-parented to init may lag.
-    with trio.fail_after(10):
-        while any(pid_alive(p) for p in pids):
-            await trio.sleep(0.01)
+    await await_until(lambda: not any(pid_alive(p) for p in pids), "all ended", 10, exits=pids)
 
 
 async def test_proc_ctl_kill_ends_the_whole_group(srv: ToolsrvProc, work: Path) -> None:

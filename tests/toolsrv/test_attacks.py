@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from olliefs.testing import await_until
 from olliefs.toolclient.client import ToolsrvConn
 from tests.toolsrv.harness import ToolsrvProc, running_toolsrv, tool_env
 from toolsrv import namespaces
@@ -310,15 +311,15 @@ open(sys.argv[3]).read()  # held until the host has looked
         host.listen(1)
         async with trio.open_nursery() as nursery:
 
-            async def call() -> None:
+            async def call(tool: str, done: trio.Event) -> None:
                 got.update(await box.py(code, name, str(ready), str(go), tool=tool))
+                done.set()
 
             for tool, reachable in (("sh", False), ("sh_net", True)):
                 got.clear()
-                nursery.start_soon(call)
-                with trio.fail_after(20):
-                    while not ready.exists():
-                        await trio.sleep(0.01)
+                done = trio.Event()
+                nursery.start_soon(call, tool, done)
+                await await_until(ready.exists, "the tool's bind", 20, files=[ready])
                 probe = socket.socket(socket.AF_UNIX)
                 try:
                     probe.connect("\0" + name + "-tool")
@@ -330,8 +331,7 @@ open(sys.argv[3]).read()  # held until the host has looked
                 assert seen == reachable, tool
                 await trio.to_thread.run_sync(lambda: go.write_text("\n"))
                 with trio.fail_after(20):
-                    while "connect" not in got:
-                        await trio.sleep(0.01)
+                    await done.wait()
                 ready.unlink()
                 assert got["bind"] == "ok" and got["connect"] in ("ECONNREFUSED", "EPERM"), got
 

@@ -7,6 +7,7 @@ profile that runs unsandboxed there, so process handling is tested everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from olliefs.testing import await_until
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
 from toolsrv.sandbox import Profile, SandboxError
@@ -132,21 +134,19 @@ def state(pid: int) -> str | None:
 
 
 async def gone(pids: list[int], within: float = 3.0) -> list[int]:
-    """The pids still present (alive or zombie) after ``within`` seconds."""
-    with trio.move_on_after(within):
-        while any(state(p) is not None for p in pids):
-            await trio.sleep(0.01)
+    """The pids still present (alive or zombie) after each was reaped, or ``within``
+    seconds."""
+    with contextlib.suppress(AssertionError):
+        await await_until(lambda: all(state(p) is None for p in pids), "reaped", within, reaps=pids)
     return [p for p in pids if state(p) is not None]
 
 
 async def read_pids(path: Path, count: int) -> list[int]:
-    with trio.fail_after(20):
-        while True:
-            if path.exists():
-                pids = [int(x) for x in path.read_text().split()]
-                if len(pids) >= count:
-                    return pids
-            await trio.sleep(0.01)
+    def pids() -> list[int]:
+        return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+    await await_until(lambda: len(pids()) >= count, f"{count} pids in {path}", 20, files=[path])
+    return pids()
 
 
 # --- confinement ---------------------------------------------------------------------------
@@ -471,7 +471,7 @@ async def test_background_children_die_with_the_call(exec_box: Box) -> None:
 # Every process appends its pid to argv[1]: the leader, three children ignoring SIGTERM, one
 # that leaves the session with setsid() and its own child.
 SPREAD = """
-    import os, signal, sys, time
+    import os, signal, sys
     def note():
         with open(sys.argv[1], "a") as f:
             f.write(f"{os.getpid()}\\n")
@@ -479,7 +479,7 @@ SPREAD = """
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         note()
         while True:
-            time.sleep(1)
+            signal.pause()
     note()
     for _ in range(3):
         if os.fork() == 0:
@@ -489,7 +489,7 @@ SPREAD = """
         if os.fork() == 0:
             linger()
         linger()
-    time.sleep(1000)
+    signal.pause()
 """
 
 
@@ -548,9 +548,9 @@ async def test_orphans_of_calls_in_flight_are_left_alone(exec_box: Box) -> None:
 
         nursery.start_soon(slow_call)
         (pid,) = await read_pids(pidf, 1)
-        with trio.fail_after(20):  # its parent subshell is gone: it is ours now
-            while ppid(pid) != os.getpid():
-                await trio.sleep(0.01)
+        parent = ppid(pid)  # its subshell, which ends at once: then it is ours
+        assert parent is not None
+        await await_until(lambda: ppid(pid) == os.getpid(), "the orphan is ours", exits=[parent])
         quick = await exec_box.run(["sh", "-c", "(setsid sleep 100 &); echo quick"], profile=PLAIN)
         assert quick.stdout == b"quick\n"
         assert state(pid) not in (None, "Z"), "the in-flight call's orphan was killed"
@@ -628,6 +628,7 @@ def session(sid: int) -> list[int]:
 REAPER_SCRIPT = """
 import json, os, sys, trio
 from pathlib import Path
+from olliefs.testing import await_until
 from toolsrv.exec import Executor
 from toolsrv.sandbox import Profile
 
@@ -649,9 +650,10 @@ async def main():
     )
     pids = [int(x) for x in Path(tmp, "pids").read_text().split()]
     at_return = {p: state(p) for p in pids}
-    with trio.move_on_after(3):
-        while any(state(p) is not None for p in pids):
-            await trio.sleep(0.01)
+    try:  # each reaped (its pidfd hangs up), or 3 s
+        await await_until(lambda: all(state(p) is None for p in pids), "reaped", 3, reaps=pids)
+    except AssertionError:
+        pass
     print(json.dumps({"mode": executor.cgroup_mode, "timed_out": res.timed_out,
                       "at_return": at_return, "later": {p: state(p) for p in pids}}))
 
