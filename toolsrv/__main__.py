@@ -91,7 +91,7 @@ async def serve(
     async with trio.open_nursery() as nursery:
         fs = ToolServer(
             key,
-            Registry(tools, max_age=REGISTRY_MAX_AGE),
+            Registry(tools, max_age=REGISTRY_MAX_AGE, watch=True),
             sandbox_dirs=boxes,
             tmp_root=tmp_root,
             nursery=nursery,

@@ -130,6 +130,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from toolsrv.protect import FILE_EVENTS, Inotify
 from toolsrv.protocol import ToolMeta
 
 __all__ = [
@@ -380,11 +381,17 @@ class Registry:
     not exist (yet) simply provides nothing.
     """
 
-    def __init__(self, dirs: Sequence[Path], *, max_age: float = 0.0) -> None:
+    def __init__(self, dirs: Sequence[Path], *, max_age: float = 0.0, watch: bool = False) -> None:
         """``max_age``: a scan younger than this many seconds is trusted without looking at
         the disk (toolsrv sets it so that a tool call costs no directory walk); a name that
-        is not found always triggers a fresh scan, so a new tool is seen at once."""
+        is not found always triggers a fresh scan, so a new tool is seen at once.
+        ``watch``: the dirs are watched (inotify) too, and any change in one (a script
+        made, written, chmod-ed, renamed or removed) makes the next look scan again at
+        once; ``max_age`` stays the bound for what a watch cannot see (a dir made later,
+        a script's symlink target changed elsewhere)."""
         self.max_age = max_age
+        self._watch = Inotify() if watch else None
+        self._watched: set[Path] = set()
         self._last_scan = -math.inf
         self.dirs = [Path(d) for d in dirs]
         self._dirs: dict[Path, _Dir] = {}
@@ -400,9 +407,23 @@ class Registry:
 
     def _maybe_rescan(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._last_scan >= self.max_age:
+        if force or now - self._last_scan >= self.max_age or self._changed():
             self._rescan()
             self._last_scan = now
+
+    def _changed(self) -> bool:
+        """A watched dir changed since the last look (one non-blocking read)."""
+        if self._watch is None:
+            return False
+        wds, lost = self._watch.read()
+        return bool(wds) or lost
+
+    def _watch_dirs(self) -> None:
+        if self._watch is None:
+            return
+        for d in self.dirs:
+            if d not in self._watched and self._watch.add(str(d), FILE_EVENTS) is not None:
+                self._watched.add(d)  # a dir removed later: max_age sees what follows
 
     def __contains__(self, name: str) -> bool:
         self._maybe_rescan()
@@ -423,6 +444,7 @@ class Registry:
         return self._tools[name]
 
     def _rescan(self) -> None:
+        self._watch_dirs()  # first, so that a change during the scan is seen next time
         now = time.time_ns()
         racy_ns = int(RACY_SECONDS * 1e9)
         changed = not self._scanned

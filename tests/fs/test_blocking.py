@@ -406,16 +406,20 @@ def test_stream_tail_and_size_polling_see_the_same_bytes(daemon: Daemon) -> None
     tail = subprocess.Popen(["tail", "-c", "+1", "-f", str(chat)], stdout=subprocess.PIPE)
     polled = bytearray()
     stop = threading.Event()
+    grew = threading.Condition()
 
     def poll_by_size() -> None:
-        # how an editor follows a file: stat, then read what is new
-        while not stop.is_set():
+        # how an editor follows a file: on its timer (Emacs' auto-revert: a few times a
+        # second), stat, then read what is new
+        while not stop.wait(0.01):
             size = os.stat(chat).st_size
             if size > len(polled):
                 with open(chat, "rb") as f:
                     f.seek(len(polled))
-                    polled.extend(f.read(size - len(polled)))
-            time.sleep(0.01)
+                    more = f.read(size - len(polled))
+                with grew:
+                    polled.extend(more)
+                    grew.notify_all()
 
     poller = threading.Thread(target=poll_by_size)
     poller.start()
@@ -433,9 +437,8 @@ def test_stream_tail_and_size_polling_see_the_same_bytes(daemon: Daemon) -> None
                 while len(got) < len(final):
                     got += os.read(proc.stdout.fileno(), 65536)
             outs.append(got)
-        with deadline(20):
-            while len(polled) < len(final):
-                time.sleep(0.01)
+        with grew:
+            assert grew.wait_for(lambda: len(polled) >= len(final), 20), "the editor fell behind"
         assert outs[0] == final and outs[1] == final and bytes(polled) == final
     finally:
         stop.set()

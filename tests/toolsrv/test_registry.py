@@ -406,6 +406,23 @@ def test_max_age_trusts_a_recent_scan_but_a_miss_rescans(tmp_path: Path) -> None
         reg.get("nope")
 
 
+def test_a_watched_dir_is_seen_at_once(tmp_path: Path) -> None:
+    """With ``watch``, an edit, a chmod and a removal in a tools dir are each seen at the
+    next look, however young the last scan; unwatched, the same scan is trusted."""
+    a, b, c = (put(tmp_path, n, description=n) for n in "abc")
+    age(a, b, c, tmp_path)
+    watched = Registry([tmp_path], max_age=3600, watch=True)
+    unwatched = Registry([tmp_path], max_age=3600)
+    assert sorted(watched.tools()) == sorted(unwatched.tools()) == ["a", "b", "c"]
+    a.write_text(minimal(description="edited"))
+    b.chmod(0o644)
+    c.unlink()
+    assert watched.tools()["a"].description == "edited"
+    assert sorted(watched.tools()) == ["a"]
+    assert sorted(unwatched.tools()) == ["a", "b", "c"]  # the control: max_age alone
+    assert unwatched.tools()["a"].description == "a"
+
+
 def test_chmod_is_noticed(tmp_path: Path) -> None:
     p = put(tmp_path, "t", mode=0o644)
     age(p, tmp_path)
