@@ -154,7 +154,7 @@ class Daemon:
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        stderr = open(self.base / "daemon.stderr", "ab")
+        stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "olliefs", "mount", "-f", *self.mount_args, str(self.path)],
             env=self.env,
@@ -213,8 +213,12 @@ class Daemon:
         self.proc.wait()
         self.proc = None
 
+    @property
+    def stderr_path(self) -> Path:
+        return self.base / "daemon.stderr"
+
     def stderr(self) -> str:
-        return (self.base / "daemon.stderr").read_text(errors="replace")
+        return self.stderr_path.read_text(errors="replace")
 
     def check_log(self) -> None:
         """No ERROR or traceback in the daemon's log, nor in the toolsrv it spawned."""

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from olliefs.replay import Entry, ReplayServer
-from olliefs.testing import HAVE_FUSE, Daemon, deadline
+from olliefs.testing import HAVE_FUSE, Daemon, deadline, wait_until
 from tests.fs.test_blocking import family, in_fuse_read
 
 READERS = int(os.environ.get("OLLIE_LOAD_READERS", "2000"))
@@ -146,16 +146,18 @@ def debug_counts(daemon: Daemon) -> Counts:
     assert daemon.proc is not None
     seen = len(re.findall(r"debug: \d+ trio tasks", daemon.stderr()))
     daemon.proc.send_signal(signal.SIGUSR1)
-    with deadline(20):
-        while True:
-            lines = re.findall(
-                r"debug: (\d+) trio tasks, (\d+) pyfuse3 workers, (\d+) fds, (\d+) inodes,"
-                r" (\d+) sessions alive, (\d+) refreezes, (\d+) frozen, (\d+) collections",
-                daemon.stderr(),
-            )
-            if len(lines) > seen:
-                return Counts(*(int(x) for x in lines[-1]))
-            time.sleep(0.005)
+    lines: list[tuple[str, ...]] = []
+
+    def answered() -> bool:
+        lines[:] = re.findall(
+            r"debug: (\d+) trio tasks, (\d+) pyfuse3 workers, (\d+) fds, (\d+) inodes,"
+            r" (\d+) sessions alive, (\d+) refreezes, (\d+) frozen, (\d+) collections",
+            daemon.stderr(),
+        )
+        return len(lines) > seen
+
+    wait_until(answered, "the SIGUSR1 line", 20, files=[daemon.stderr_path])
+    return Counts(*(int(x) for x in lines[-1]))
 
 
 def backend_sockets(pid: int, port: int) -> set[str]:
