@@ -91,9 +91,10 @@ def wait_until(
                 poller.register(fd, mask)  # 0: only the hang-up, at the reaping
         while not cond():
             left = end - time.monotonic()
-            if left <= 0:
+            events = poller.poll(left * 1000) if left > 0 else []
+            if not events:  # the time is up with nothing seen: not a look at last
                 raise AssertionError(f"never happened: {what}")
-            for fd, _ in poller.poll(left * 1000):
+            for fd, _ in events:
                 if watch is not None and fd == watch.fd:
                     watch.read()  # drained; what changed is cond's to judge
                 else:
