@@ -476,24 +476,31 @@ class Registry:
         extra = [*extra, persist.Ev(Event(time.time(), sid, uid, "info", "", info(sid)))]
         self._reserved.add(sid)
         path = journal_path(self.paths.sessions, uid)
+        # Written whole under a name a restore does not read, then renamed: a crash while
+        # the records are written (a fork copies a whole history) leaves no session at
+        # all, never one with part of its beginning.
+        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            journal = persist.Journal(path)
+            journal = persist.Journal(tmp)
             rec = persist.Create(uid, sid, cfg.cwd, cfg.backend, cfg.model, cfg.agent, time.time())
             for r in (rec, *extra):
                 journal.append(r)
 
             def durable() -> None:
                 journal.sync()
+                os.rename(tmp, path)
+                journal.path = path
                 persist.sync_dir(self.paths.sessions)
 
             await trio.to_thread.run_sync(durable)
             s = self._from_create(rec, journal)
             s.replay(list(extra))
         except BaseException:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+            for left in (tmp, path):
+                try:
+                    left.unlink()
+                except FileNotFoundError:
+                    pass
             raise
         finally:
             self._reserved.discard(sid)
@@ -653,6 +660,9 @@ class Registry:
         self._old_logs = []
 
     def _restore_all(self) -> None:
+        for cut in self.paths.sessions.glob(".*.jsonl.tmp"):  # a create cut by a crash
+            log.warning("%s: session creation cut by a crash; removed", cut)
+            cut.unlink(missing_ok=True)
         for path in sorted(self.paths.sessions.glob("*.jsonl")):
             try:
                 records = persist.restore_journal(path)

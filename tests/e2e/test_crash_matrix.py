@@ -411,6 +411,23 @@ def test_fork_while_its_journal_appears(d: Daemon) -> None:
     assert len(journals(d)) == len(names)
 
 
+def test_a_creation_cut_before_its_rename_leaves_no_session(d: Daemon) -> None:
+    """A session's journal is written whole under a dot name and renamed: a crash in
+    between (a fork copying a history, cut after its create record) leaves that file,
+    which a restore removes, and no session with part of its beginning."""
+    sessions = d.home / "state" / "sessions"
+    sid = d.new(name="src")
+    cut = sessions / ".cutuid.jsonl.tmp"
+    j = persist.Journal(cut)
+    j.append(persist.Create("cutuid", "kid", str(d.work), "openai", "replay", "", 1.0))
+    j.close()
+    d.crash()
+    restart(d)
+    assert set(os.listdir(d.p("s"))) == {sid, "new", "idx"}
+    assert not cut.exists()
+    assert all(not n.startswith(".") for n in os.listdir(sessions))
+
+
 def test_rewind_while_its_branch_is_written(d: Daemon) -> None:
     sid = d.new(name="rw")
     turn(d, sid, "one")
