@@ -30,6 +30,7 @@ import enum
 import errno
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ class Mount:
     point: str
     fstype: str
     source: str
+    options: str = ""  # the mount's own options (``rw,nosuid,relatime``), not the sb's
 
 
 _ESCAPE = re.compile(r"\\([0-7]{3})")
@@ -62,7 +64,8 @@ def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
             left, sep, right = line.partition(" - ")
             fields, tail = left.split(), right.split()
             if sep and len(fields) > 4 and len(tail) >= 2:
-                out.append(Mount(_unescape(fields[4]), tail[0], _unescape(tail[1])))
+                point = _unescape(fields[4])
+                out.append(Mount(point, tail[0], _unescape(tail[1]), fields[5]))
     return out
 
 
@@ -73,6 +76,77 @@ def mount_at(point: str) -> Mount | None:
         if m.point == point:
             found = m
     return found
+
+
+def covering(path: str, table: list[Mount]) -> Mount | None:
+    """The mount of ``table`` that ``path`` (a real path) lies on: the last one mounted on
+    the longest mount point that is ``path`` or one of its parents."""
+    best: Mount | None = None
+    for m in table:
+        if _beneath(path, m.point) and (best is None or len(m.point) >= len(best.point)):
+            best = m
+    return best
+
+
+def _beneath(path: str, top: str) -> bool:
+    return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
+
+
+class InsideTree(OSError):
+    """A path that leads into an olliefs tree (errno EINVAL)."""
+
+
+_MAX_LINKS = 40  # as the kernel's path walk
+
+
+def real_dir(path: str, table: list[Mount] | None = None) -> str:
+    """The real path of the existing directory ``path`` (absolute), found without ever
+    looking inside an olliefs mount.
+
+    A daemon that ``stat``s a path inside its own mount waits for an answer that only
+    it can give: it hangs, and with it every access to the tree. ``os.path.realpath``
+    or ``isdir`` would do exactly that for ``~/ollie/m``, and for a symlink that points
+    there. So the walk goes one component at a time, follows symlinks itself, and
+    refuses (`InsideTree`) before it touches a component that is, or lies beneath, the
+    mount point of any olliefs mount in ``table`` (this namespace's, by default): its
+    own, a bind mount of it elsewhere, or another daemon's. Other errors are the
+    ``OSError`` of the component that failed (ENOENT, ENOTDIR, ELOOP, EACCES).
+    """
+    if not os.path.isabs(path):
+        raise OSError(errno.EINVAL, "not an absolute path", path)
+    table = mounts() if table is None else table
+    trees = [m.point for m in table if m.fstype == FSTYPE]
+    todo = [c for c in path.split("/") if c][::-1]  # a stack: the next component last
+    real = "/"
+    links = 0
+    while todo:
+        comp = todo.pop()
+        if comp == ".":
+            continue
+        if comp == "..":
+            real = os.path.dirname(real)
+            continue
+        cand = os.path.join(real, comp)
+        if any(_beneath(cand, t) for t in trees):
+            raise InsideTree(errno.EINVAL, "inside an olliefs tree", cand)
+        st = os.lstat(cand)
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > _MAX_LINKS:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+            target = os.readlink(cand)
+            if target.startswith("/"):
+                real = "/"
+            todo.extend(c for c in target.split("/")[::-1] if c)
+            continue
+        if todo and not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), cand)
+        real = cand
+    if any(_beneath(real, t) for t in trees):  # "/" itself, or a path of only ".."
+        raise InsideTree(errno.EINVAL, "inside an olliefs tree", real)
+    if not stat.S_ISDIR(os.stat(real).st_mode):
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), real)
+    return real
 
 
 def canonical(path: str) -> str:

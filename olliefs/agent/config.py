@@ -20,6 +20,7 @@ import msgspec
 
 from olliefs.backend.base import GenerationParams
 from olliefs.errors import InvalidRequest
+from olliefs.mounts import InsideTree, real_dir
 
 MaxTokens = Annotated[int, msgspec.Meta(gt=0, le=10_000_000)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -93,10 +94,20 @@ def parse_param(key: str, value: str) -> Any:
 
 
 def resolve_cwd(value: str) -> str:
-    """``~`` expanded; must be absolute and an existing directory."""
+    """``~`` expanded; must be absolute and an existing directory outside every olliefs
+    tree. The real path is what is kept, so that no later use of it can be led into a
+    tree by a symlink changed meanwhile (`olliefs.mounts.real_dir`)."""
     path = os.path.expanduser(value)
     if not os.path.isabs(path):
         raise InvalidRequest(f"cwd must be an absolute path: {value}")
-    if not os.path.isdir(path):
-        raise InvalidRequest(f"cwd is not an existing directory: {value}")
-    return os.path.normpath(path)
+    try:
+        return real_dir(path)
+    except InsideTree as err:
+        raise InvalidRequest(
+            f"cwd {value}: leads into an olliefs tree ({err.filename}); a session works "
+            "in a directory of the disk"
+        ) from None
+    except OSError as err:
+        raise InvalidRequest(
+            f"cwd is not an existing directory: {value} ({err.strerror})"
+        ) from None

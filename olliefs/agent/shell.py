@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import trio
 
+from olliefs.mounts import real_dir
+
 log = logging.getLogger(__name__)
 
 OUTPUT_CAP = 256 * 1024
@@ -114,6 +116,10 @@ async def run_shell(
     command does; trio.Cancelled propagates after the cleanup.
     """
     try:
+        # The child's chdir happens while this thread waits for its exec: a cwd inside
+        # the daemon's own tree (a symlink changed since the cwd was checked, a journal
+        # from before that check) would hang both. The real path is the one used.
+        cwd = real_dir(cwd)
         proc = await trio.lowlevel.open_process(
             ["/bin/sh", "-c", command],
             stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,

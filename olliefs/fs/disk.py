@@ -69,6 +69,7 @@ read-only views always did; only ``fsync`` goes to a worker thread (it can take 
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import os
 import re
@@ -83,10 +84,17 @@ from typing import cast
 
 import trio
 
+from olliefs.caller import Caller
 from olliefs.errors import Denied, Exists, InvalidRequest, NotFound, NotPermitted, OllieError
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Text
 
 _serial = itertools.count(1)
+
+
+GUARDED_HEAD = 64 * 1024 + 1
+"""How much of a file's start a folder's guard sees: toolsrv reads a tool's header from
+its first 64 KiB (``toolsrv.registry.HEADER_LIMIT``), and one byte more tells that the
+file goes on."""
 
 
 def _key() -> tuple[str, int]:
@@ -142,6 +150,9 @@ class Rules:
     new_mode: int | None = None  # a created file gets this mode whatever was asked (t/)
     executable: bool = False  # files shown r-x (u/, x/)
     shown: Callable[[str], bool] = _shown  # tr/ hides the daemon's partial writes
+    # t/: what a sandboxed opener's writes may leave at the start of a file (its header):
+    # the check gets the first bytes as they would be and says why not, or None.
+    guard: Callable[[bytes], str | None] | None = None
 
 
 @dataclass
@@ -168,8 +179,10 @@ class Folder(Dir):
         rules: Rules = Rules(),
         extra: Callable[[], dict[str, Node]] | None = None,
         refresh: Callable[[set[str]], Awaitable[None]] | None = None,
+        refused: Callable[[str], None] | None = None,
     ) -> None:
         self.key = key
+        self.refused = refused  # where a refusal of the guard is told (the root err)
         self._top = top
         self.below = list(below)
         self.rules = rules
@@ -375,7 +388,7 @@ class Folder(Dir):
         node = self._node(name, False)
         assert isinstance(node, FolderFile)
         self.touched(name)
-        return node, node.handle(fd, dirty=True)
+        return node, node.handle(fd, dirty=True, how=how)
 
     async def mkdir(self, name: str, mode: int) -> Node:
         if not self.rules.tree:
@@ -429,10 +442,17 @@ class FileHandle(Handle):
 
     waits = False
 
-    def __init__(self, node: FolderFile, fd: int, dirty: bool) -> None:
+    def __init__(
+        self,
+        node: FolderFile,
+        fd: int,
+        dirty: bool,
+        guard: Callable[[bytes], str | None] | None = None,
+    ) -> None:
         self.node = node
         self.fd = fd
         self.dirty = dirty
+        self.guard = guard
 
     async def read(self, off: int, size: int) -> bytes:
         with _disk("read"):
@@ -440,14 +460,47 @@ class FileHandle(Handle):
 
     async def write(self, off: int, data: bytes) -> int:
         with _disk("write"):
+            if self.guard is not None:
+                if fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_APPEND:
+                    off = os.fstat(self.fd).st_size  # where pwrite really writes
+                self._check(off, data, None)
             n = os.pwrite(self.fd, data, off)
         self.dirty = True
         return n
 
     def truncate(self, size: int) -> None:
         with _disk("truncate"):
+            if self.guard is not None:
+                self._check(0, b"", size)
             os.ftruncate(self.fd, size)
         self.dirty = True
+
+    def _check(self, off: int, data: bytes, size: int | None) -> None:
+        """Refuse a sandboxed writer's change that would leave the file's first bytes
+        asking for more than it may (``guard``): checked before anything is written, on
+        the start of the file as the change would leave it."""
+        assert self.guard is not None
+        # The handle may be write-only: the same file opened again for reading.
+        rfd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = bytearray(os.pread(rfd, GUARDED_HEAD, 0))
+        finally:
+            os.close(rfd)
+        if size is not None:
+            del head[size:]
+            head += bytes(max(0, min(size, GUARDED_HEAD) - len(head)))
+        if data and off < GUARDED_HEAD:
+            if off > len(head):
+                head += bytes(off - len(head))
+            head[off : off + len(data)] = data
+        reason = self.guard(bytes(head[:GUARDED_HEAD]))
+        if reason is not None:
+            folder = self.node.folder
+            where = "/".join(map(str, folder.key)) if isinstance(folder.key, tuple) else ""
+            reason = f"{where}/{self.node.name}: {reason}"
+            if folder.refused is not None:
+                folder.refused(reason)
+            raise Denied(reason)
 
     async def flush(self) -> None:
         if self.dirty and self.node.name is not None:
@@ -526,8 +579,13 @@ class FolderFile(File):
     def valid(self) -> bool:
         return self._st() is not None
 
-    def handle(self, fd: int, dirty: bool) -> FileHandle:
-        h = FileHandle(self, fd, dirty)
+    def _guard(self, pid: int) -> Callable[[bytes], str | None] | None:
+        """The folder's guard when the process ``pid`` is sandboxed (`Caller`)."""
+        guard = self.folder.rules.guard
+        return guard if guard is not None and Caller(pid).confined else None
+
+    def handle(self, fd: int, dirty: bool, how: Open | None = None) -> FileHandle:
+        h = FileHandle(self, fd, dirty, None if how is None else self._guard(how.pid))
         self.handles.add(h)
         return h
 
@@ -544,7 +602,7 @@ class FolderFile(File):
         flags = acc | (how.flags & (os.O_APPEND | os.O_TRUNC)) | self._open_flags()
         with _disk(f"open {self.name}"):
             fd = os.open(found.path, flags)
-        return self.handle(fd, dirty=bool(how.flags & os.O_TRUNC))
+        return self.handle(fd, dirty=bool(how.flags & os.O_TRUNC), how=how)
 
     def _own(self, what: str) -> Path:
         found = self._found()
@@ -554,12 +612,12 @@ class FolderFile(File):
             raise NotPermitted(f"{what} {self.name}: read-only")
         return found.path
 
-    async def truncate(self, size: int) -> None:
+    async def truncate(self, size: int, pid: int = 0) -> None:
         path = self._own("truncate")
         with _disk(f"truncate {self.name}"):
             fd = os.open(path, os.O_WRONLY | self._open_flags())
             try:
-                os.ftruncate(fd, size)
+                FileHandle(self, fd, True, self._guard(pid)).truncate(size)
             finally:
                 os.close(fd)
         assert self.name is not None
@@ -953,7 +1011,7 @@ class Skill(File):
                 os.close(fd)
             os.replace(tmp, p)
 
-    async def truncate(self, size: int) -> None:
+    async def truncate(self, size: int, pid: int = 0) -> None:
         data = self._read()
         self.commit(data[:size] + bytes(max(0, size - len(data))))
 

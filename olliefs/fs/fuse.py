@@ -360,7 +360,7 @@ class Operations(pyfuse3.Operations):
             if fh is not None:
                 self._handle(fh).truncate(attr.st_size)
             else:
-                await node.truncate(attr.st_size)
+                await node.truncate(attr.st_size, ctx.pid)
         if fields.update_mode:
             await node.chmod(stat.S_IMODE(attr.st_mode))
         if fields.update_atime or fields.update_mtime:

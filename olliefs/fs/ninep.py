@@ -376,7 +376,7 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
         if stat.length != U64:
             if not (isinstance(n, File) and n.writable):
                 raise NinePError(EDENIED)
-            await _translated(n.truncate(stat.length))
+            await _translated(n.truncate(stat.length, self.pid))
         if stat.mode != U32:
             if bool(stat.mode & DMDIR) != isinstance(n, Dir):
                 raise NinePError("cannot change a file into a directory or back")

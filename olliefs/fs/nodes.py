@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from olliefs.caller import Caller
 from olliefs.errors import (
     Denied,
     InvalidRequest,
@@ -213,8 +214,9 @@ class File(Node):
     def open(self, how: Open) -> Handle:
         raise NotImplementedError
 
-    async def truncate(self, size: int) -> None:
-        """``truncate(2)`` by path on a writable file: nothing to cut in a control file."""
+    async def truncate(self, size: int, pid: int = 0) -> None:
+        """``truncate(2)`` by path on a writable file (by the process ``pid``): nothing to
+        cut in a control file."""
 
 
 class Dir(Node):
@@ -321,8 +323,9 @@ class ControlHandle(Handle):
 
     waits = False
 
-    def __init__(self, node: Control) -> None:
+    def __init__(self, node: Control, caller: Caller) -> None:
         self.node = node
+        self.caller = caller
         self.answer: bytes | None = None
         self.base = 0  # file offset at which the answer starts
 
@@ -343,7 +346,7 @@ class ControlHandle(Handle):
             if self.node.refused is not None:
                 self.node.refused(f"{self.node.name}: not valid UTF-8")
             raise InvalidRequest("not valid UTF-8") from None
-        reply = await self.node.apply(text)
+        reply = await self.node.apply(text, self.caller)
         if reply is not None:
             self.answer = reply.encode()
             self.base = off + len(data)
@@ -353,7 +356,7 @@ class ControlHandle(Handle):
 @dataclass(eq=False)
 class Control(File):
     key: Hashable
-    apply: Callable[[str], Awaitable[str | None]]
+    apply: Callable[[str, Caller], Awaitable[str | None]]
     render: Callable[[], str] | None = None
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
@@ -383,7 +386,7 @@ class Control(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return ControlHandle(self)
+        return ControlHandle(self, Caller(how.pid))
 
 
 # ---- prompts -------------------------------------------------------------------------
@@ -403,10 +406,14 @@ class PromptHandle(Handle):
     waits = False
 
     def __init__(
-        self, submit: Callable[[str], Awaitable[None]], refused: Callable[[str], None]
+        self,
+        submit: Callable[[str, Caller], Awaitable[None]],
+        refused: Callable[[str], None],
+        caller: Caller,
     ) -> None:
         self.submit = submit
         self.refused = refused
+        self.caller = caller
         self.buf = bytearray()
 
     async def write(self, off: int, data: bytes) -> int:
@@ -430,7 +437,7 @@ class PromptHandle(Handle):
         except UnicodeDecodeError:
             self.refused("prompt: ends inside a UTF-8 sequence (not submitted)")
             raise InvalidRequest("prompt is not valid UTF-8") from None
-        await self.submit(text)
+        await self.submit(text, self.caller)
 
 
 def _utf8_prefix(data: bytes) -> None:
@@ -441,7 +448,7 @@ def _utf8_prefix(data: bytes) -> None:
 @dataclass(eq=False)
 class PromptIn(File):
     key: Hashable
-    submit: Callable[[str], Awaitable[None]]
+    submit: Callable[[str, Caller], Awaitable[None]]
     refused: Callable[[str], None]
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
@@ -451,7 +458,7 @@ class PromptIn(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return PromptHandle(self.submit, self.refused)
+        return PromptHandle(self.submit, self.refused, Caller(how.pid))
 
 
 # ---- a file written whole ------------------------------------------------------------

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from pathlib import Path
 
+from olliefs.caller import Caller, tool_guard
 from olliefs.errors import NotFound, OllieError
 from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
@@ -139,12 +140,12 @@ class PeerDir(Dir):
     def _file(self, other: Session) -> Node:
         sender = self.s
 
-        async def send(text: str) -> None:
+        async def send(text: str, caller: Caller) -> None:
             if not text.strip():
                 return
             if other.closed:
                 raise NotFound(f"peer {other.id} is gone")
-            await other.submit(f"[from {sender.id}] {text.strip()}")
+            await other.submit(f"[from {sender.id}] {text.strip()}", caller)
 
         # A refused write is the writer's: its reason goes to this session's err (and
         # chat), where the writer looks, not to the peer, which was never reached.
@@ -218,9 +219,9 @@ class SessionsDir(Dir):
     def _fixed(self) -> dict[str, Node]:
         reg = self.reg
 
-        async def new(text: str) -> str:
+        async def new(text: str, caller: Caller) -> str:
             try:
-                return (await reg.create(text)).id + "\n"
+                return (await reg.create(text, caller)).id + "\n"
             except OllieError as err:
                 reason = str(err)  # the parser's reasons already name s/new
                 reg.refused(reason if reason.startswith("s/new: ") else f"s/new: {reason}")
@@ -372,9 +373,10 @@ def disk_dirs(reg: Registry) -> dict[str, Node]:
         ("t",),
         p.config / "tools",
         [shipped / "tools"],
-        Rules(writable=True, new_mode=0o755),
+        Rules(writable=True, new_mode=0o755, guard=tool_guard),
         extra=lambda: {"idx": tools_idx},
         refresh=tools_changed,
+        refused=reg.refused,
     )
     # Opening idx brings the catalogue up to date as a lookup in t/ does.
     tools_idx = Generated(("t", "idx"), reg.tools_idx_text, refresh=tools.prepare)

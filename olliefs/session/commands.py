@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from olliefs.agent.config import resolve_cwd
+from olliefs.caller import USER, Caller
 from olliefs.errors import Busy, InvalidRequest
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class Pending:
 
     tools: list[str]
     known_tools: set[str]
+    caller: Caller = USER  # who wrote the request: a sandboxed one is held to its rights
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ def _model(s: Session, arg: str, p: Pending) -> Apply:
 @command("cwd", "rest", "change the working directory", while_running=False)
 def _cwd(s: Session, arg: str, p: Pending) -> Apply:
     path = resolve_cwd(arg)
+    p.caller.check_dir(path, "cwd")
     return lambda: s.set_cfg({"cwd": path})
 
 
@@ -179,6 +182,7 @@ def _models(s: Session, arg: str, p: Pending) -> Apply:
 @command("agent", "one", "switch to a profile: fresh tools, cleared history", while_running=False)
 def _agent(s: Session, arg: str, p: Pending) -> Apply:
     s.host.check_agent(arg)
+    p.caller.check(False, f"agent {arg}")
     return lambda: s.switch_agent(arg)
 
 
@@ -189,12 +193,12 @@ def _clear(s: Session, arg: str, p: Pending) -> Apply:
 
 @command("inject", "rest", "add text to the running turn at its next step (idle: a prompt)")
 def _inject(s: Session, arg: str, p: Pending) -> Apply:
-    return lambda: s.inject(arg, replace=False)
+    return lambda: s.inject(arg, replace=False, caller=p.caller)
 
 
 @command("irw", "rest", "replace the injection the running turn has not taken yet")
 def _irw(s: Session, arg: str, p: Pending) -> Apply:
-    return lambda: s.inject(arg, replace=True)
+    return lambda: s.inject(arg, replace=True, caller=p.caller)
 
 
 @command("queue", "one", "queue clear: drop the prompts waiting behind the running turn")
@@ -222,6 +226,9 @@ def _fork(s: Session, arg: str, p: Pending) -> Apply:
     if len(parts) > 2:
         raise InvalidRequest("fork: fork <name> [<n>|checkpoint]")
     name = parts[0]
+    # The fork works in this session's cwd: a sandboxed caller may make it only where it
+    # could have made the session itself.
+    p.caller.check_dir(s.cwd, "fork")
     if parts[1:] == ["checkpoint"]:
         # No message is copied, so no cut can split a tool call from its result: this
         # is also valid in the middle of a tool round (subagent_spawn runs there).

@@ -26,6 +26,7 @@ from olliefs.agent.profile import Profile, load_profile, profile_path
 from olliefs.agent.runtime import ToolLink
 from olliefs.agent.shell import base_env
 from olliefs.backend.base import Backend, BackendError
+from olliefs.caller import USER, Caller
 from olliefs.errors import Busy, Exists, InvalidRequest, NotFound, short_reason
 from olliefs.live import GrowingLog
 from olliefs.session import persist
@@ -380,7 +381,7 @@ class Registry:
 
     # ---- lifecycle ------------------------------------------------------------------
 
-    def parse_new(self, text: str) -> dict[str, str]:
+    def parse_new(self, text: str, caller: Caller = USER) -> dict[str, str]:
         values: dict[str, str] = {}
         seen: set[str] = set()
         for tok in split_request(text, "s/new"):
@@ -397,6 +398,14 @@ class Registry:
         if "cwd" not in values:
             raise InvalidRequest("s/new: cwd= is required")
         values["cwd"] = resolve_cwd(values["cwd"])
+        caller.check_dir(values["cwd"], "s/new: cwd")
+        if "agent" in values:
+            parent = self.sessions.get(values.get("name", "").rpartition("__")[0])
+            caller.check(
+                parent is not None and parent.cfg.agent == values["agent"],
+                f"s/new: agent={values['agent']} (only the parent's profile, for a child "
+                "<parent>__<name>)",
+            )
         values.setdefault("agent", "default")
         self.check_agent(values["agent"])
         # The profile's backend and model, where s/new does not name them (as ctl agent).
@@ -414,9 +423,9 @@ class Registry:
             self.check_new_name(values["name"])
         return values
 
-    async def create(self, text: str) -> Session:
+    async def create(self, text: str, caller: Caller = USER) -> Session:
         """Create a session from an ``s/new`` write; durable before it returns."""
-        v = self.parse_new(text)
+        v = self.parse_new(text, caller)
         cfg = Cfg(backend=v["backend"], model=v["model"], agent=v["agent"], cwd=v["cwd"])
         # The profile's step limit, as its tools (Session takes those itself): a limit
         # known only to ``ctl agent`` let a session made with agent= run 50 rounds.

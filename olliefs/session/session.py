@@ -37,7 +37,8 @@ from olliefs.agent.loop import TurnEnded
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink
 from olliefs.backend.base import BackendError, Message, Usage
-from olliefs.errors import Busy, InvalidRequest, short_reason
+from olliefs.caller import USER, Caller
+from olliefs.errors import Busy, Denied, InvalidRequest, short_reason
 from olliefs.live import GrowingLog, StateCell
 from olliefs.memory import give_back
 from olliefs.session import commands, persist
@@ -293,19 +294,26 @@ class Session:
 
     # ---- prompts and the turn runner ------------------------------------------------
 
-    async def submit(self, text: str) -> None:
+    async def submit(self, text: str, caller: Caller = USER) -> None:
         """Acknowledge a prompt: journal it, fsync, show its ``user:`` line, queue it.
 
         ``/cmd`` is a ctl command, run at once (``/stop`` stops the running turn);
         ``!cmd`` is a shell command, queued like a prompt and run in the session's cwd
-        under toolsrv's sandbox when its turn comes, its output added to the context.
+        under toolsrv's sandbox when its turn comes, its output added to the context;
+        refused to a sandboxed ``caller``, whose rights it would exceed (`Caller`).
         """
         text = text.strip()
         if not text or self.closed:
             return
         if text.startswith("/"):
-            await self.ctl(text[1:])
+            await self.ctl(text[1:], caller)
             return
+        if text.startswith("!"):
+            try:
+                caller.check(False, "prompt: !cmd (it runs with the session's rights)")
+            except Denied as err:
+                self.refused(str(err))
+                raise
         self._seq += 1
         seq = self._seq
         self.record(persist.Prompt(seq, text, time.time()))
@@ -401,10 +409,10 @@ class Session:
         if self._turn_scope is not None:
             self._turn_scope.cancel()
 
-    def inject(self, text: str, *, replace: bool) -> Awaitable[None] | None:
+    def inject(self, text: str, *, replace: bool, caller: Caller = USER) -> Awaitable[None] | None:
         """``inject``/``irw``: text for the running turn's next step; idle, a prompt."""
         if not self.running:
-            return self.submit(text)
+            return self.submit(text, caller)
         agent = self.agent
         if replace or agent.injection is None:
             verb = "replaced" if replace and agent.injection is not None else "queued"
@@ -463,24 +471,26 @@ class Session:
 
     # ---- control --------------------------------------------------------------------
 
-    async def ctl(self, text: str) -> None:
+    async def ctl(self, text: str, caller: Caller = USER) -> None:
         await self.ready()
         names = commands.tool_names(text)
         if any(n not in self.host.known_tools(self) for n in names):
             await self.host.refresh_tools()  # a tool added since the last look
-        pending = commands.Pending(list(self.agent.link.wanted), self.host.known_tools(self))
+        pending = commands.Pending(
+            list(self.agent.link.wanted), self.host.known_tools(self), caller
+        )
         await self._apply_all(text, lambda line: commands.prepare(self, line, pending))
 
-    async def write_cfg(self, text: str) -> None:
+    async def write_cfg(self, text: str, caller: Caller = USER) -> None:
         await self.ready()
         draft = [self.cfg]  # the record as the earlier lines of this write leave it
-        await self._apply_all(text, lambda line: self._prepare_cfg(line, draft))
+        await self._apply_all(text, lambda line: self._prepare_cfg(line, draft, caller))
 
     async def _apply_all(self, text: str, prepare: Callable[[str], Apply]) -> None:
         try:
             commands.check_text(text, "request")
             actions = [prepare(line) for line in text.splitlines() if line.strip()]
-        except (InvalidRequest, Busy) as err:
+        except (InvalidRequest, Busy, Denied) as err:
             self.refused(str(err))
             raise
         later = [a for a in (act() for act in actions) if a is not None]
@@ -488,7 +498,7 @@ class Session:
         for rest in later:
             await rest
 
-    def _prepare_cfg(self, line: str, draft: list[Cfg]) -> Apply:
+    def _prepare_cfg(self, line: str, draft: list[Cfg], caller: Caller) -> Apply:
         key, sep, value = line.strip().partition("=")
         key, value = key.strip(), value.strip()
         if not sep:
@@ -510,9 +520,11 @@ class Session:
             new = value
         elif key == "agent":
             self.host.check_agent(value)
+            caller.check(value == current[key], f"cfg agent={value}")
             new = value
         elif key == "cwd":
             new = resolve_cwd(value)
+            caller.check_dir(new, "cfg cwd")
         else:
             new = value
         if new == current[key]:
