@@ -249,14 +249,19 @@ class Agent:
             return False
         return await self.compact("", "overflow" if overflow else "auto")
 
-    async def compact(self, focus: str, trigger: CompactTrigger = "ctl") -> bool:
+    async def compact(
+        self, focus: str, trigger: CompactTrigger = "ctl", *, after: str | None = "thinking"
+    ) -> bool:
         """Compaction that loses nothing: the whole history goes to
         ``compactions/<n>/`` (fsync'd) before the compacted one replaces it; a failed or
         malformed answer keeps the old history and says why in chat. ``trigger`` is what
         the hooks are told: ``auto`` (half the context), ``overflow`` (the provider
         refused the request), ``ctl`` (``ctl compact``, with or without a focus).
-        preCompact's output is further instructions for the compaction model (the chat
-        line names only the user's focus); postCompact's joins the new context."""
+        ``after`` is the state once it is over (None: the caller says, as the session
+        does for a compaction outside a turn, which must not show ``thinking`` on its
+        way back to ``idle``). preCompact's output is further instructions for the
+        compaction model (the chat line names only the user's focus); postCompact's
+        joins the new context."""
         tokens = self.history.totals.last_context_tokens or self.history.estimate()
         pre = await self.hook("preCompact", trigger=trigger, focus=focus, tokens=tokens)
         if pre is not None and pre.blocked:
@@ -279,7 +284,8 @@ class Agent:
             self.emit("error", f"compaction failed, history kept: {err}")
             return False
         finally:
-            self.set_state("thinking")
+            if after is not None:
+                self.set_state(after)
         self.history.replace(r.messages)
         self.taskstate = r.state
         self.host.history_replaced(r.messages, n)

@@ -38,6 +38,7 @@ class Pending:
     tools: list[str]
     known_tools: set[str]
     caller: Caller = USER  # who wrote the request: a sandboxed one is held to its rights
+    compact: bool = False  # an earlier line asked for a compaction
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def prepare(s: Session, line: str, pending: Pending) -> Apply:
     if cmd.arity in ("one", "maybe") and len(arg.split()) > 1:
         raise InvalidRequest(f"{name}: takes one argument")
     if not cmd.while_running and s.running:
-        raise Busy(f"{name}: refused while a turn is running (ctl stop first)")
+        raise Busy(f"{name}: refused while a {s.work} is running (ctl stop first)")
     return cmd.prepare(s, arg, pending)
 
 
@@ -253,8 +254,13 @@ def _rewind(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.host.rewind(s, n)
 
 
-@command("compact", "any", "compact [focus]: summarize the history (in a turn: at its next step)")
+@command("compact", "any", "compact [focus]: summarize the history now, as the session's work "
+         "(in a turn: before its next request, or right after it)")  # fmt: skip
 def _compact(s: Session, arg: str, p: Pending) -> Apply:
+    if p.compact:
+        raise InvalidRequest("compact: given twice in one request")
+    s.check_compact()
+    p.compact = True
     return lambda: s.compact(arg)
 
 

@@ -599,7 +599,7 @@ class Registry:
 
     def rename(self, s: Session, new: str) -> None:
         if s.running:
-            raise Busy(f"rename {s.id}: refused while a turn is running")
+            raise Busy(f"rename {s.id}: refused while a {s.work} is running")
         self.check_new_name(new)
         old = s.id
         s.record(persist.Rename(new))

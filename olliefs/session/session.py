@@ -135,7 +135,12 @@ class Session:
         self._queue_lot = trio.lowlevel.ParkingLot()
         self._seq = 0
         self._running_seq: int | None = None
-        self._turn_scope: trio.CancelScope | None = None
+        # The focus of a ``ctl compact`` given outside a turn, from the write that asked
+        # for it until the runner has done it: the session's work, like a turn.
+        self._compaction: str | None = None
+        # The scope of the work running or about to run (a turn, a compaction): ``stop``
+        # cancels it, even before the runner has entered it.
+        self._work_scope: trio.CancelScope | None = None
         self._scope = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self.closed = False
@@ -178,7 +183,14 @@ class Session:
 
     @property
     def running(self) -> bool:
-        return self._running_seq is not None
+        """A turn or a compaction is the session's work now: what a running turn
+        refuses (``rn``, ``cfg`` changes, ``clear``, ...) is refused then too."""
+        return self._running_seq is not None or self._compaction is not None
+
+    @property
+    def work(self) -> str:
+        """What runs, for the reasons of refused requests: ``turn`` or ``compaction``."""
+        return "turn" if self._running_seq is not None or self._compaction is None else "compaction"
 
     def cfg_text(self) -> str:
         return self.cfg.text(self.state.value)
@@ -262,19 +274,26 @@ class Session:
         self.record(persist.Replaced(messages, n))
         self.turn_starts = [0]  # the compacted history is one turn's start
 
-    async def compact(self, focus: str) -> None:
-        """``ctl compact [focus]``: now when idle; during a turn (the agent compacting
-        itself through its ctl, or the user) before the turn's next request."""
-        if self.running:
+    def compact(self, focus: str) -> None:
+        """``ctl compact [focus]``. During a turn (the agent compacting itself through its
+        ctl, or the user): before the turn's next request, or right after the turn if it
+        makes none. Otherwise it becomes the session's work, like a turn: the write
+        returns at once, ``state`` says ``compacting``, prompts written meanwhile queue
+        behind it, ``stop`` ends it with the history kept, ``kill`` ends it with the
+        session. A provider that hangs then holds nothing but this session's runner."""
+        if self._running_seq is not None:
             self.agent.compact_requested = focus
             self.emit("info", "compaction requested: before the next request of this turn")
             return
+        self._compaction = focus
+        self._work_scope = trio.CancelScope()
         self.set_state("compacting")
-        try:
-            await self.agent.compact(focus)
-        finally:
-            self.set_state("idle" if not self.queue else "thinking")
-        await self.sync()
+        self._queue_lot.unpark_all()
+
+    def check_compact(self) -> None:
+        """A second ``ctl compact`` while one is asked for or runs outside a turn."""
+        if self._running_seq is None and self._compaction is not None:
+            raise Busy("compact: a compaction is already running (ctl stop ends it)")
 
     def set_plan(self, text: str) -> None:
         self.record(persist.Plan(text))
@@ -320,10 +339,14 @@ class Session:
         self.emit("user", text)
         self.prompt_prev = text
         await self.sync()
+        busy = self.running
         self.queue.append((seq, text))
         self._queue_lot.unpark_all()
         self.queued.unpark_all()
-        self.set_state("thinking")  # running or queued, as soon as it is acknowledged
+        if not busy:
+            # Running or queued, as soon as it is acknowledged; behind a running turn or
+            # compaction the state stays what that work says (``calling: x``, ...).
+            self.set_state("thinking")
 
     async def sync(self) -> None:
         """The journal to the disk, in a worker thread (an fsync stalls nobody else)."""
@@ -344,11 +367,14 @@ class Session:
                     await self._agent_started(rt)
                 try:
                     while True:
-                        while not self.queue:
+                        while not self.queue and self._compaction is None:
                             await self._queue_lot.park()
-                        seq, text = self.queue.popleft()
                         await self.ready()
-                        await self._run_one(seq, text)
+                        if self._compaction is not None:
+                            await self._run_compaction(self._compaction)
+                        elif self.queue:  # fifo.out may have taken it meanwhile
+                            seq, text = self.queue.popleft()
+                            await self._run_one(seq, text)
                 finally:
                     self.agent.link.close()
 
@@ -358,7 +384,7 @@ class Session:
         agent = self.agent
         try:
             with trio.CancelScope() as scope:
-                self._turn_scope = scope
+                self._work_scope = scope
                 if text.startswith("!"):
                     await self._run_shell(text[1:].strip())
                     return
@@ -369,23 +395,59 @@ class Session:
                 await agent.run(text)
             if scope.cancelled_caught:
                 self.emit("info", "stopped")
+                if agent.compact_requested is not None:
+                    # ``stop`` means the user wants nothing more done now.
+                    agent.compact_requested = None
+                    self.emit("info", "the compaction requested for this turn is dropped")
         except (BackendError, TurnEnded) as err:
             self.emit("error", str(err))
         except Exception as err:  # a bug must not take the daemon down
             log.exception("turn of session %s failed", self.id)
             self.emit("error", f"internal error: {type(err).__name__}: {err}")
         finally:
-            self._turn_scope = None
+            self._work_scope = None
             self._running_seq = None
             self.renderer.end_turn()
             agent.history.totals.last_turn_cost = agent.turn_cost
             self.record(persist.TurnCost(agent.turn_cost))
             self.record(persist.End(seq))
-            if not self.queue:
+            if agent.compact_requested is not None and not self.closed:
+                # Asked for during the turn, which made no request after it: done now,
+                # before the prompts queued behind the turn.
+                self.compact(agent.compact_requested)
+                agent.compact_requested = None
+            elif not self.queue:
                 self.set_state("idle")
         with trio.CancelScope(shield=True):
             await self.sync()
         give_back()  # what the turn's pieces occupied goes back to the system
+
+    async def _run_compaction(self, focus: str) -> None:
+        """A ``ctl compact`` outside a turn, run by the runner as the session's work."""
+        agent = self.agent
+        before = agent.history.messages
+        scope = self._work_scope
+        assert scope is not None  # set with the request, in ``compact``
+        try:
+            with scope:
+                await agent.compact(focus, after=None)
+            if scope.cancelled_caught:
+                # ``History.replace`` installs a new list: the same list means the old
+                # history is still in force (stopped before its snapshot was written).
+                kept = agent.history.messages is before
+                self.emit("info", "compaction stopped; history kept" if kept else "stopped")
+        except BackendError as err:  # e.g. a backend that cannot be built
+            self.emit("error", f"compaction failed, history kept: {err}")
+        except Exception as err:  # a bug must not take the daemon down
+            log.exception("compaction of session %s failed", self.id)
+            self.emit("error", f"internal error: {type(err).__name__}: {err}")
+        finally:
+            self._work_scope = None
+            self._compaction = None
+            self.set_state("thinking" if self.queue else "idle")
+        with trio.CancelScope(shield=True):
+            await self.sync()
+        give_back()
 
     async def _run_shell(self, cmd: str) -> None:
         if not cmd:
@@ -406,12 +468,13 @@ class Session:
         )
 
     def stop(self) -> None:
-        if self._turn_scope is not None:
-            self._turn_scope.cancel()
+        if self._work_scope is not None:
+            self._work_scope.cancel()
 
     def inject(self, text: str, *, replace: bool, caller: Caller = USER) -> Awaitable[None] | None:
-        """``inject``/``irw``: text for the running turn's next step; idle, a prompt."""
-        if not self.running:
+        """``inject``/``irw``: text for the running turn's next step; otherwise (idle, or
+        compacting outside a turn) a prompt."""
+        if self._running_seq is None:
             return self.submit(text, caller)
         agent = self.agent
         if replace or agent.injection is None:
@@ -530,7 +593,7 @@ class Session:
         if new == current[key]:
             return lambda: None
         if self.running:
-            raise Busy(f"cfg {key}: refused while a turn is running (ctl stop first)")
+            raise Busy(f"cfg {key}: refused while a {self.work} is running (ctl stop first)")
         draft[0] = draft[0].with_values({key: new})
         if key == "agent":
             return lambda: self.switch_agent(new)

@@ -392,6 +392,7 @@ def test_subagent_spawn_from_a_checkpoint(daemon: Daemon) -> None:
     turns(daemon, sid, 5)
     daemon.replay.add([Entry(reply=json.dumps(ANSWER))])
     daemon.write(f"s/{sid}/ctl", "compact")  # the TaskState now has a decision
+    daemon.wait_idle(sid)
     spawn = {"name": "kid", "prompt": "count again", "checkpoint": True}
     reqs = run(
         daemon,
@@ -463,6 +464,7 @@ def test_compaction_hooks_and_model(daemon: Daemon) -> None:
     assert ":: compacting\n" in daemon.read(f"s/{sid}/chat")  # the hook's text is not a focus
     daemon.replay.add([Entry(reply=json.dumps(ANSWER))])
     daemon.write(f"s/{sid}/ctl", "compact")
+    daemon.wait_idle(sid)
     payloads = [json.loads(x) for x in log.read_text().splitlines()]
     assert [(p["event"], p["trigger"]) for p in payloads] == [
         ("preCompact", "overflow"),

@@ -46,6 +46,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from olliefs.agent.chat import visible
 from olliefs.replay import ReplayServer
 from olliefs.testing import HAVE_FUSE, Daemon, deadline
 
@@ -223,7 +224,8 @@ def assert_refused_in_session(
     assert reason, f"{what}: refused with no reason in err"
     assert after["chat"].startswith(before["chat"]), f"{what}: chat was rewritten"
     added = after["chat"][len(before["chat"]) :]
-    assert f"error: {reason}" in added, f"{what}: the reason is not in chat: {added!r}"
+    shown = visible(reason)  # chat shows control characters, err has them as they are
+    assert f"error: {shown}" in added, f"{what}: the reason is not in chat: {added!r}"
     # Only error: lines were added (a reason may hold a newline the writer sent).
     assert added.startswith("error: "), f"{what}: chat gained more than error: {added!r}"
     for k in ("state", "cfg", "plan", "prompt.prev", "tools"):
@@ -543,7 +545,7 @@ def test_fuzz_prompt(
     if target == "peer":
         text = f"[from {sid}] {text}"
     assert rd(d, f"s/{receiver}/prompt.prev") == text + "\n"
-    assert f"user: {text}" in rd(d, f"s/{receiver}/chat")
+    assert f"user: {visible(text)}" in rd(d, f"s/{receiver}/chat")
     d.wait_idle(receiver)
 
 
