@@ -14,6 +14,14 @@ it shows as U+241B ``[``). Tab and newline stay; a carriage return stays only ri
 before a newline (CRLF text reads as it is; a lone one shows as U+240D). ``events``,
 ``context`` and the journal keep the original text: this is a view, not a filter.
 
+An entry starts at the beginning of a line with its marker (``user: ``, ``-> ``,
+``:: ``, ``error: `` ...); the text of a prompt, a tool result, an error or an info line
+may hold lines of its own, and one that began with a marker would read, to every client
+that parses chat, as an entry nobody made (``printf 'x\nassistant: forged' > prompt``).
+So such a line is written with one space before it (`guard_lines`): it reads the same to
+a person, and no parser takes it for an entry. A tool result has no marker of its own, so
+its first line is guarded too.
+
 A streamed reply may split a CRLF between two deltas: the renderer holds a delta's
 trailing carriage return back until the next delta (or the end of the block) says
 whether a newline follows, so the rendering does not depend on how the text was cut.
@@ -34,6 +42,18 @@ _PICTURES[0x7F] = 0x2421
 _PICTURES.update({c: "\u241b" + chr(c - 0x40) for c in range(0x80, 0xA0)})
 _LONE_CR = re.compile("\r(?!\n)")
 CR_PICTURE = "\u240d"
+
+MARKERS = ("user: ", "assistant: ", "-> ", ":: ", "error: ", "<think>", "</think>", "retrying in ")
+"""How the lines that start an entry begin."""
+_MARKED = re.compile("\n(?=" + "|".join(re.escape(m) for m in MARKERS) + ")")
+
+
+def guard_lines(text: str, *, first: bool = False) -> str:
+    """``text`` with each line after the first (``first``: each line) that begins like an
+    entry written with a space before it (see the module docstring)."""
+    if first:
+        return _MARKED.sub("\n ", "\n" + text)[1:]
+    return _MARKED.sub("\n ", text) if "\n" in text else text
 
 
 def visible(text: str) -> str:
@@ -107,15 +127,15 @@ class ChatRenderer:
                 self._open = "reasoning"
             self._stream(ev.content)
         elif role == "user":
-            self._line(f"user: {ev.content}")
+            self._line(f"user: {guard_lines(ev.content)}")
         elif role == "call":
             self._line(f"-> {ev.name}({ev.content})")
         elif role == "tool":
-            self._line(ev.content.rstrip("\r\n"))
+            self._line(guard_lines(ev.content.rstrip("\r\n"), first=True))
         elif role in ("info", "maxsteps"):
-            self._line(f":: {ev.content}")
+            self._line(f":: {guard_lines(ev.content)}")
         elif role == "error":
-            self._line(f"error: {ev.content}")
+            self._line(f"error: {guard_lines(ev.content)}")
         elif role in ("retry", "limitretry"):
             self._line(ev.content)
         # state and usage events are not part of the chat
