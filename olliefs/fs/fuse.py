@@ -327,6 +327,8 @@ class Operations(pyfuse3.Operations):
         node = parent.lookup(self._name(name))
         if node is None or not node.valid():
             raise pyfuse3.FUSEError(errno.ENOENT)
+        if node.stat_prepares:
+            await node.prepare()
         a = self._entry(node)
         self._parent[a.st_ino] = parent_inode
         if a.entry_timeout > 0:
@@ -335,7 +337,10 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self._node(inode))
+        node = self._node(inode)
+        if node.stat_prepares:
+            await node.prepare()
+        return self._attrs(node)
 
     @translated
     async def setattr(

@@ -243,6 +243,8 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
         child = d.lookup(name)
         if child is None or not child.valid():
             raise NinePError(ENOTFOUND)
+        if child.stat_prepares:  # its first stat has the size its first read gets
+            await _translated(child.prepare())
         return Ref(child, name, node)
 
     def stat(self, node: Ref) -> Stat:

@@ -167,6 +167,10 @@ class Node:
     async def set_times(self, atime_ns: int | None, mtime_ns: int | None) -> None:
         """``utimes``/``touch``: ignored where the node has no times of its own."""
 
+    # A file whose ``prepare`` changes what it shows (models, ctxsz): it is prepared before
+    # its attributes are given too, so the first stat has the size the first read gets.
+    stat_prepares: bool = False
+
     async def prepare(self) -> None:
         """Bring what this node shows up to date before it is looked into or opened.
 
@@ -298,6 +302,10 @@ class Text(File):
 
     def valid(self) -> bool:
         return self.live()
+
+    @property
+    def stat_prepares(self) -> bool:  # type: ignore[override]
+        return self.refresh is not None
 
     async def prepare(self) -> None:
         if self.refresh is not None:
@@ -755,6 +763,8 @@ class DiskDir(Dir):
     # Inside a session directory removal must succeed and do nothing, so that
     # ``rm -r s/<id>`` reaches the session's rmdir (SPEC 3.7).
     removal: Literal["ignore", "deny"] = "deny"
+    # The mtime while the folder does not exist yet (a session's birth): not 1970.
+    born: float = STARTED
 
     async def unlink(self, name: str) -> None:
         if self.removal == "deny":
@@ -780,7 +790,7 @@ class DiskDir(Dir):
             return None
         p = self.path / name
         if p.is_dir():
-            return DiskDir((self.key, name), p, self.removal)
+            return DiskDir((self.key, name), p, self.removal, self.born)
         if p.is_file():
             return DiskFile((self.key, name), p)
         return None
@@ -789,7 +799,7 @@ class DiskDir(Dir):
         try:
             return os.stat(self.path).st_mtime
         except OSError:
-            return 0.0
+            return self.born
 
 
 def _natural(name: str) -> tuple[int, str]:

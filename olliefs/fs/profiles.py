@@ -220,5 +220,5 @@ class ProfilesDir(Dir):
     def mtime_ns(self) -> int:
         try:
             return os.stat(self.user).st_mtime_ns
-        except OSError:
-            return 0
+        except OSError:  # no profile of the user's yet: the shipped ones' time
+            return os.stat(self.shipped).st_mtime_ns

@@ -110,9 +110,9 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "tools": text("tools", a.tools_text, fresh),
         "systemprompt": text("systemprompt", a.systemprompt_text, lambda: _ready(s, fresh)),
         "tail": Script(("s", u, "tail"), s.tail_script, live, stamp=stamp("tail")),
-        "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore"),
+        "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore", s.created),
         "peer": PeerDir(reg, s),
-        "compactions": DiskDir(("s", u, "compactions"), s.compactions_dir(), "ignore"),
+        "compactions": DiskDir(("s", u, "compactions"), s.compactions_dir(), "ignore", s.created),
         "taskstate": text("taskstate", a.taskstate_text),
         "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
     }
