@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from pathlib import Path
 
-from olliefs.errors import NotFound, OllieError
+from olliefs.errors import DiskError, NotFound, OllieError
 from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
     CACHED_TTL,
@@ -305,7 +305,11 @@ class SessionsDir(Dir):
 
     async def rename(self, old: str, new: str) -> None:
         s = self.reg.get(old)
-        self.reg.rename(s, new)
+        try:
+            self.reg.rename(s, new)
+        except DiskError as err:
+            s.refused(f"mv: not renamed: {err}")
+            raise
         await s.sync()
 
 
