@@ -150,13 +150,14 @@ class LogFile(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        if self.lost:
-            note = f"(the {self.lost} log lines before this one were lost: {self._why})\n"
-            if not self._put(note.encode()):
-                self.lost += 1
-                return
+        if self.lost:  # with the line, in one append: both are written, or neither
+            line = (
+                f"(the {self.lost} log lines before this one were lost: {self._why})\n".encode()
+                + line
+            )
+        if self._put(line):
             self.lost = 0
-        if not self._put(line):
+        else:
             self.lost += 1
 
     def _put(self, data: bytes) -> bool:

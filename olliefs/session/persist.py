@@ -373,7 +373,7 @@ class Journal:
                 return False
             self._backlog.popleft()
         if self.error is not None:
-            log.warning("%s: written again", self.path)
+            log.info("%s: written again", self.path)
             self.error = None
             if self.on_mended is not None:
                 self.on_mended()

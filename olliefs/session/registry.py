@@ -495,7 +495,7 @@ class Registry:
                 journal = persist.Journal(tmp)
                 journal.append_records([rec, *extra])
             except OSError as err:
-                raise disk_error(err, "the session's journal") from None
+                raise disk_error(err, "journal") from None
 
             def durable() -> None:
                 assert journal is not None
@@ -505,7 +505,7 @@ class Registry:
                     journal.path = path
                     persist.sync_dir(self.paths.sessions)
                 except OSError as err:
-                    raise disk_error(err, "the session's journal") from None
+                    raise disk_error(err, "journal") from None
 
             await trio.to_thread.run_sync(durable)
             s = self._from_create(rec, journal)

@@ -430,7 +430,12 @@ class Session:
         finally:
             self._mending = False
         self._told = False
-        more = f"; {len(self.queue)} queued prompts run now" if self.queue else ""
+        n = len(self.queue)
+        more = (
+            f"; {n} queued prompt{'' if n == 1 else 's'} run{'s' if n == 1 else ''} now"
+            if n
+            else ""
+        )
         self.emit("info", f"the journal is written again{more}")
 
     async def run(self) -> None:
