@@ -471,16 +471,17 @@ class Session:
         try:
             with trio.CancelScope() as scope:
                 self._turn_scope = scope
-                if self._cut_turn is not None:
-                    scope.cancel()  # its start record could not be written
+                if self.journal.error is not None:  # broken since it was taken
+                    self._cut_turn = self.journal.error
+                    scope.cancel()
                 if text.startswith("!"):
                     await self._run_shell(text[1:].strip())
-                    return
-                self.turn_starts.append(len(agent.history.messages))
-                agent.context_length = await self.host.context_length(
-                    agent.cfg.backend, agent.cfg.model
-                )
-                await agent.run(text)
+                else:
+                    self.turn_starts.append(len(agent.history.messages))
+                    agent.context_length = await self.host.context_length(
+                        agent.cfg.backend, agent.cfg.model
+                    )
+                    await agent.run(text)
             if scope.cancelled_caught and self._cut_turn is not None:
                 self._told = True
                 more = f"; queued prompts {WAIT}" if self.queue else ""
@@ -623,7 +624,7 @@ class Session:
             for rest in later:
                 await rest
         except DiskError as err:
-            self.refused(f"not applied: {err}")
+            self.refused(str(err))
             raise
 
     def _prepare_cfg(self, line: str, draft: list[Cfg]) -> Apply:

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from olliefs.replay import Entry
 from olliefs.testing import SmallDisk
 from tests.conftest import Daemon, oserror, script
+from tests.e2e.test_compaction import ANSWER
 from tests.e2e.test_crash_matrix import context, crash, cut_once, journals, no_lost, restart
 from tests.e2e.test_restart import snapshot
 
@@ -169,3 +171,51 @@ def test_a_disk_full_during_a_streamed_reply(d: Daemon, disk: SmallDisk, how: st
     assert snapshot(d, sid) == before  # exactly what was acknowledged and journaled
     assert all(not name.startswith(".") for name in os.listdir(d.home / "state" / "sessions"))
     assert len(journals(d)) == 1
+
+
+def owe(d: Daemon, sid: str) -> None:
+    """Leave the session's journal owing a record on the full disk: a plan that takes
+    what is left of the journal's last page, so the line that says so finds no room."""
+    (path,) = (d.home / "state" / "sessions").glob("*.jsonl")
+    st = path.stat()
+    slack = st.st_blocks * 512 - st.st_size
+    # Taken (and its "plan updated" line is owed), or refused (and the line saying so is).
+    oserror(d.write, f"s/{sid}/plan", "p" * max(slack - 64, 0))
+    # Owing: even a request whose record would fit in what is left is refused.
+    assert oserror(d.write, f"s/{sid}/ctl", "maxsteps 7") == errno.ENOSPC
+
+
+def test_rewind_save_and_compact_on_a_full_disk(d: Daemon, disk: SmallDisk) -> None:
+    sid = d.new(name="rw")
+    for i in range(10):
+        turn(d, sid, f"step {i}")
+    ctx, chat = context(d, sid), d.read(f"s/{sid}/chat")
+    state = d.home / "state"
+    disk.fill()
+    owe(d, sid)
+    assert oserror(d.write, f"s/{sid}/ctl", "rewind 1") == errno.ENOSPC
+    assert d.read(f"s/{sid}/err") == f"journal: {FULL}\n"
+    assert oserror(d.write, f"s/{sid}/ctl", "save") == errno.ENOSPC
+    assert d.read(f"s/{sid}/err") == f"save: the transcript: {FULL}\n"
+    d.replay.add([Entry(reply=json.dumps(ANSWER))])
+    assert oserror(d.write, f"s/{sid}/ctl", "compact") == errno.ENOSPC
+    assert d.read(f"s/{sid}/err") == f"compaction failed, history kept: compactions/: {FULL}\n"
+    # Nothing of them happened, nothing half-written is left.
+    assert context(d, sid) == ctx and d.read(f"s/{sid}/chat").startswith(chat)
+    assert d.read(f"s/{sid}/state") == "idle\n"
+    assert os.listdir(state / "transcripts") == []
+    assert not (state / "branches").exists()
+    assert [p for p in (state / "compactions").rglob("*") if p.is_file()] == []
+
+    disk.free()
+    d.write(f"s/{sid}/ctl", "rewind 1")
+    d.write(f"s/{sid}/ctl", "save")
+    d.replay.add([Entry(reply=json.dumps(ANSWER))])
+    d.write(f"s/{sid}/ctl", "compact")
+    assert os.listdir(d.p(f"s/{sid}/branches")) == ["1"]
+    assert os.listdir(d.p(f"s/{sid}/compactions")) == ["1"]
+    assert len(os.listdir(d.p("tr"))) == 1
+    before = snapshot(d, sid)
+    crash(d)
+    restart(d)
+    assert snapshot(d, sid) == before
