@@ -81,7 +81,11 @@ class DiskError(OllieError):
 
     One subclass per errno (made on first use, by ``disk_error``), because each error
     class carries its errno: ENOSPC, EDQUOT, EIO, EISDIR ... reach the client unchanged.
+    ``told``: its reason is in ``err`` already (a prompt refused inside a ``ctl``
+    request, ``inject`` while idle, is not reported twice).
     """
+
+    told = False
 
 
 _DISK_KINDS: dict[int, type[DiskError]] = {}

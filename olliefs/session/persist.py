@@ -318,7 +318,7 @@ class Journal:
         try:
             if self._backlog and not self.catch_up():
                 assert self.error is not None
-                raise self.error
+                raise type(self.error)(str(self.error))  # one of its own for each refusal
             self._write(parts, size)
         except DiskError as err:
             if strict:

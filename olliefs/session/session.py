@@ -356,6 +356,7 @@ class Session:
                 start = self.journal.append_records([persist.Prompt(seq, text, ev.ts), line])
             except DiskError as err:
                 self.refused(f"prompt not accepted: {err}")
+                err.told = True
                 raise
             end = self.journal.size
             self._seq = seq
@@ -368,6 +369,7 @@ class Session:
             except DiskError as err:
                 self._take_back(seq, start, end)
                 self.refused(f"prompt not accepted (the user: line above is not kept): {err}")
+                err.told = True
                 raise
             self.prompt_prev = text
         self.queue.append((seq, text))
@@ -624,7 +626,8 @@ class Session:
             for rest in later:
                 await rest
         except DiskError as err:
-            self.refused(str(err))
+            if not err.told:
+                self.refused(str(err))
             raise
 
     def _prepare_cfg(self, line: str, draft: list[Cfg]) -> Apply:
