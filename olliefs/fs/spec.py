@@ -144,7 +144,11 @@ class PeerDir(Dir):
                 return
             if other.closed:
                 raise NotFound(f"peer {other.id} is gone")
-            await other.submit(f"[from {sender.id}] {text.strip()}")
+            try:
+                await other.submit(f"[from {sender.id}] {text.strip()}")
+            except DiskError as err:  # the writer is told too, where it looks
+                sender.refused(f"peer {other.id}: {err}")
+                raise
 
         # A refused write is the writer's: its reason goes to this session's err (and
         # chat), where the writer looks, not to the peer, which was never reached.

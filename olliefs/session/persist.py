@@ -293,12 +293,12 @@ class Journal:
         data = _encoder.encode(rec) + b"\n"
         self._append([data], len(data), strict)
 
-    def append_event(self, line: bytes, *, strict: bool = False) -> None:
+    def append_event(self, line: bytes) -> None:
         """An ``Ev`` record of the event whose ``encode_line`` is ``line``."""
         if self._fd < 0:
             return
         with memoryview(line) as view, view[:-1] as event:
-            self._append([_EV_HEAD, event, b"}\n"], len(line) + len(_EV_HEAD) + 1, strict)
+            self._append([_EV_HEAD, event, b"}\n"], len(line) + len(_EV_HEAD) + 1, False)
 
     def append_records(self, records: Sequence[Record | bytes]) -> int:
         """Several records as one strict write, all of them in the file or none (after
@@ -324,11 +324,16 @@ class Journal:
             if strict:
                 raise
             self._backlog.append(b"".join(parts))
-            if self.error is None:
-                self.error = err
-                log.warning("%s: %s; records are kept in memory until it can be", self.path, err)
-                if self.on_broken is not None:
-                    self.on_broken(err)
+            self._broke(err)
+
+    def _broke(self, err: DiskError) -> None:
+        """Records are owed (``err`` is why); the first time since the file took them
+        all, ``on_broken`` is told."""
+        if self.error is None:
+            self.error = err
+            log.warning("%s: %s; records are kept in memory until it can be", self.path, err)
+            if self.on_broken is not None:
+                self.on_broken(err)
 
     def _write(self, parts: Sequence[bytes | memoryview], size: int) -> None:
         """``parts`` at the end of the file, whole (O_APPEND: a writev lands whole at the
@@ -405,10 +410,7 @@ class Journal:
             self._write([tail], len(tail))
         except DiskError as err:
             self._backlog.extendleft(reversed(tail.splitlines(keepends=True)))
-            if self.error is None:
-                self.error = err
-                if self.on_broken is not None:
-                    self.on_broken(err)
+            self._broke(err)
 
     @property
     def dirty(self) -> bool:

@@ -762,7 +762,10 @@ class Session:
         if spawn is not None and spawn.context.strip():
             self.agent.add_message(Message("user", f"[agentSpawn hook]\n{spawn.context.strip()}"))
         for prompt in rt.user_prompts:
-            await self.submit(prompt)
+            try:
+                await self.submit(prompt)
+            except DiskError:
+                break  # refused, and chat says so; the ones after it would be too
 
     def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
         self.record(persist.Cfg(dict(values)), strict=True)
