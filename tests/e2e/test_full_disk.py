@@ -26,6 +26,7 @@ from olliefs.testing import SmallDisk
 from tests.conftest import Daemon, oserror, script
 from tests.e2e.test_compaction import ANSWER
 from tests.e2e.test_crash_matrix import context, crash, cut_once, journals, no_lost, restart
+from tests.e2e.test_profiles import MINE, put
 from tests.e2e.test_restart import snapshot
 
 FULL = "No space left on device"
@@ -219,3 +220,16 @@ def test_rewind_save_and_compact_on_a_full_disk(d: Daemon, disk: SmallDisk) -> N
     crash(d)
     restart(d)
     assert snapshot(d, sid) == before
+
+
+def test_a_profile_saved_on_a_full_disk_keeps_the_old_one(d: Daemon, disk: SmallDisk) -> None:
+    put(d, "a/mine.json", json.dumps(MINE))
+    disk.fill()
+    changed = {**MINE, "maxSteps": 9}
+    assert oserror(lambda: put(d, "a/mine.json", json.dumps(changed))) == errno.ENOSPC
+    assert d.read("err") == f"a/mine.json: not saved: {FULL}\n"
+    assert json.loads(d.read("a/mine.json")) == MINE
+    assert os.listdir(d.home / "config" / "agents") == ["mine.json"]  # no temp file left
+    disk.free()
+    put(d, "a/mine.json", json.dumps(changed))
+    assert json.loads(d.read("a/mine.json")) == changed
