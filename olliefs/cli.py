@@ -129,9 +129,63 @@ def preflight(mnt: str, p: Paths, *, create_default: bool) -> None:
         raise CliError(f"mount point is not empty: {mnt}")
 
 
+class LogFile(logging.Handler):
+    """The daemon's log file, written so that a full disk costs log lines, nothing more.
+
+    ``logging.FileHandler`` buffers, and at every line a full disk refuses it prints a
+    traceback to stderr (for a daemon, that same file). Here each line is one unbuffered
+    append: a line the disk refuses is cut back and counted, and the count goes in before
+    the next line that fits, so the log says what it is missing.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.lost = 0  # lines not written since the last one that was
+        self._why = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = (self.format(record) + "\n").encode(errors="replace")
+        except Exception:
+            self.handleError(record)
+            return
+        if self.lost:  # with the line, in one append: both are written, or neither
+            line = (
+                f"(the {self.lost} log lines before this one were lost: {self._why})\n".encode()
+                + line
+            )
+        if self._put(line):
+            self.lost = 0
+        else:
+            self.lost += 1
+
+    def _put(self, data: bytes) -> bool:
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as err:
+            self._why = err.strerror or str(err)
+            if done:  # no half line left for the next one to be glued to
+                try:
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - done)
+                except OSError:
+                    pass
+            return False
+        return True
+
+    def close(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+        super().close()
+
+
 def _setup_logging(p: Paths, foreground: bool, verbose: bool) -> None:
     private_file(p.log_file)
-    handlers: list[logging.Handler] = [logging.FileHandler(p.log_file)]
+    handlers: list[logging.Handler] = [LogFile(p.log_file)]
     if foreground:
         handlers.append(logging.StreamHandler(sys.stderr))
     logging.basicConfig(

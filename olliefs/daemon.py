@@ -251,10 +251,19 @@ async def _serve(
                     await reg.aclose()
                 raise DaemonError(str(err)) from None
         try:
+            # Before the mount: a pid file the disk refuses (full) is a clean refusal to
+            # start, not a mount that dies as soon as it appeared.
+            paths.pid_file.write_text(f"{os.getpid()}\n{mountpoint}\n")
+        except OSError as err:
+            paths.pid_file.unlink(missing_ok=True)
+            with trio.CancelScope(shield=True):
+                await reg.aclose()
+            raise DaemonError(f"cannot write {paths.pid_file}: {err.strerror}") from None
+        try:
             pyfuse3.init(ops, mountpoint, mount_options())
         except RuntimeError as err:
+            paths.pid_file.unlink(missing_ok=True)
             raise DaemonError(f"cannot mount {mountpoint}: {err}") from None
-        paths.pid_file.write_text(f"{os.getpid()}\n{mountpoint}\n")
 
         async def stop_on_signal() -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:

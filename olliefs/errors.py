@@ -13,16 +13,20 @@ reason) in its Rerror. One table, here, on the classes themselves:
     ├── NotPermitted     a mode, owner or times that cannot be changed        EPERM
     ├── WouldBlock       O_NONBLOCK read at the end of a blocking file        EAGAIN
     ├── Interrupted      the reader got a signal while blocked                EINTR
-    └── TooMany          too many blocked readers                             EMFILE
+    ├── TooMany          too many blocked readers                             EMFILE
+    └── DiskError        what the disk refused (ENOSPC, EDQUOT, EIO ...)      its own
 
 Every refused request leaves the runtime's state untouched; the message is what the user
-sees in ``chat`` as ``error: ...``.
+sees in ``chat`` as ``error: ...``. A ``DiskError`` is answered with the errno the disk
+gave (``disk_error`` makes one subclass per errno), so a full disk reaches the writer as
+ENOSPC, never as a bare EIO.
 """
 
 from __future__ import annotations
 
 import errno as _errno
-from typing import ClassVar
+import os
+from typing import ClassVar, cast
 
 
 class OllieError(Exception):
@@ -70,6 +74,31 @@ class Interrupted(OllieError):
 
 class TooMany(OllieError):
     errno = _errno.EMFILE
+
+
+class DiskError(OllieError):
+    """A write (or read) the disk refused, answered with the errno the disk gave.
+
+    One subclass per errno (made on first use, by ``disk_error``), because each error
+    class carries its errno: ENOSPC, EDQUOT, EIO, EISDIR ... reach the client unchanged.
+    ``told``: its reason is in ``err`` already (a prompt refused inside a ``ctl``
+    request, ``inject`` while idle, is not reported twice).
+    """
+
+    told = False
+
+
+_DISK_KINDS: dict[int, type[DiskError]] = {}
+
+
+def disk_error(err: OSError, what: str) -> DiskError:
+    """``err`` as the ``DiskError`` of its errno; the reason is ``what: strerror``."""
+    code = err.errno or _errno.EIO
+    kind = _DISK_KINDS.get(code)
+    if kind is None:
+        name = f"DiskError_{_errno.errorcode.get(code, str(code))}"
+        kind = _DISK_KINDS[code] = cast(type[DiskError], type(name, (DiskError,), {"errno": code}))
+    return kind(f"{what}: {err.strerror or os.strerror(code)}")
 
 
 REASON_MAX = 400

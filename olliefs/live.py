@@ -10,7 +10,8 @@ this module; it imports nothing of olliefs, so neither side has to know the othe
 Memory stays bounded however long a log grows: when the log has a backing file, only the
 newest bytes stay in memory (``window`` to twice that), everything older is in the file,
 and reads of older bytes are served from there (``pread``; the page cache makes that as
-fast as memory for recently read parts). Bytes go to the file when they leave memory, a
+fast as memory for recently read parts; a disk too full to take them leaves them in
+memory until it does). Bytes go to the file when they leave memory, a
 window's worth in one write, not as they are appended: a streamed reply is one append
 per network read to ``chat``, ``events`` and the root ``events``, and a write per append
 to each of their files was a tenth of what a token cost the daemon. The backing file is
@@ -57,6 +58,7 @@ class GrowingLog:
         self._fd = -1
         self._path = path
         self._window = window
+        self._spill_at = 0  # after a failed spill: no new try before the log is this long
         self._merge = min(MERGE, window)
         self._holders = 0  # open handles reading the log
         self._finalizer: weakref.finalize[[int], None] | None = None
@@ -85,7 +87,11 @@ class GrowingLog:
             pieces.append(bytes(data))
             self._starts.append(self._size)
         self._size += len(data)
-        if self._path is not None and self._size - self._base > 2 * self._window:
+        if (
+            self._path is not None
+            and self._size - self._base > 2 * self._window
+            and self._size >= self._spill_at
+        ):
             self._spill(self._size - self._window)
         self._last = data[-1]
         self.mtime = time.time()
@@ -110,29 +116,42 @@ class GrowingLog:
         self._finalizer = weakref.finalize(self, os.close, fd)  # type: ignore[arg-type]
         return True
 
-    def _spill(self, upto: int) -> None:
-        """Move the pieces that end at or before ``upto`` to the backing file."""
+    def _spill(self, upto: int) -> bool:
+        """Move the pieces that end at or before ``upto`` to the backing file; False if
+        the file could not take them (they stay in memory)."""
         if self._fd < 0 and not self._open():
-            return
+            return False
         if upto >= self._size:
             k, end = len(self._pieces), self._size
         else:
             k = bisect.bisect_right(self._starts, upto) - 1  # pieces before k: wholly old
             if k <= 0:
-                return
+                return True
             end = self._starts[k]
         out, at = self._pieces[:k], self._base
-        while at < end:  # pwritev may write less than asked: go on from where it stopped
-            done = os.pwritev(self._fd, out, at)
-            at += done
-            while out and done >= len(out[0]):
-                done -= len(out[0])
-                out.pop(0)
-            if done:
-                out[0] = out[0][done:]
+        try:
+            while at < end:  # pwritev may write less than asked: go on from where it stopped
+                done = os.pwritev(self._fd, out, at)
+                at += done
+                while out and done >= len(out[0]):
+                    done -= len(out[0])
+                    out.pop(0)
+                if done:
+                    out[0] = out[0][done:]
+        except OSError as err:
+            # A full disk: the bytes stay in memory (the file is only a cache), and the
+            # next try waits until the log has grown by another window.
+            if self._spill_at == 0:
+                log.warning("log %s stays in memory for now: %s", self._path, err)
+            self._spill_at = self._size + self._window
+            return False
+        if self._spill_at:
+            log.warning("log %s written again", self._path)
+            self._spill_at = 0
         del self._pieces[:k]
         del self._starts[:k]
         self._base = end
+        return True
 
     def read(self, off: int, size: int) -> bytes:
         """``size`` bytes from ``off``, fewer only at the end: a short read in a file
@@ -185,10 +204,10 @@ class GrowingLog:
                 self._pieces, self._starts = [], []
                 self._base = self._size
             return
-        if self._holders:
-            self._spill(self._size)  # they read on from the file
-        self._pieces, self._starts = [], []
-        self._base = self._size
+        # They read on from the file; or, when the disk cannot take the rest, from memory.
+        if self._holders == 0 or self._spill(self._size):
+            self._pieces, self._starts = [], []
+            self._base = self._size
         if self._path is not None:
             try:
                 os.unlink(self._path)

@@ -9,6 +9,7 @@ operations, exactly as a shell would.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import select
@@ -311,6 +312,58 @@ class Daemon:
                     raise AssertionError(f"stream ended before {needle!r}: {seen!r}")
                 seen += chunk
             return seen.decode()
+
+
+class SmallDisk:
+    """A small tmpfs mounted at ``path`` (root only), and a filler file that takes every
+    block it has left: a full disk, made and freed when a test says so.
+
+    ``fill`` writes the filler until the disk refuses even one more byte, so what was
+    already written keeps only the slack of its last page: an append that needs a page
+    more fails with ENOSPC, as on a real full disk (a small one may still fit).
+    """
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = path
+        self.size = size
+        self.filler = path / ".filler"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why no tmpfs can be mounted here (None: it can)."""
+        if os.geteuid() != 0:
+            return "needs root (it mounts a small tmpfs to fill)"
+        return None
+
+    def __enter__(self) -> SmallDisk:
+        self.path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size},mode=0700", "tmpfs", str(self.path)],
+            check=True,
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Lazily: a daemon killed a moment ago may still hold files open in there.
+        subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+    def fill(self) -> None:
+        fd = os.open(self.filler, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            for size in (1 << 20, 4096, 1):
+                block = b"\0" * size
+                while True:
+                    try:
+                        os.write(fd, block)
+                    except OSError as err:
+                        if err.errno != errno.ENOSPC:
+                            raise
+                        break
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self.filler.unlink(missing_ok=True)
 
 
 class ToolsrvProc:

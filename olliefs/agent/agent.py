@@ -52,6 +52,7 @@ from olliefs.agent.safety import Action, Safety
 from olliefs.agent.shell import base_env
 from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
 from olliefs.backend.base import Backend, GenerationParams, Message, Usage
+from olliefs.errors import DiskError, disk_error
 from toolsrv.protocol import ToolMeta
 
 _json = msgspec.json.Encoder()
@@ -241,13 +242,17 @@ class Agent:
         return self.safety.after_round(self.taskstate, failed=rnd.failed, planned=rnd.planned)
 
     async def compact_if_needed(self, *, overflow: bool = False) -> bool:
-        if self.compact_requested is not None and not overflow:
-            focus, self.compact_requested = self.compact_requested, None
-            return await self.compact(focus, "ctl")
-        est = self.history.totals.last_context_tokens or self.history.estimate()
-        if not overflow and not should_compact(est, self.context_length):
+        try:
+            if self.compact_requested is not None and not overflow:
+                focus, self.compact_requested = self.compact_requested, None
+                return await self.compact(focus, "ctl")
+            est = self.history.totals.last_context_tokens or self.history.estimate()
+            if not overflow and not should_compact(est, self.context_length):
+                return False
+            return await self.compact("", "overflow" if overflow else "auto")
+        except DiskError as err:  # the turn goes on with the history it had
+            self.emit("error", str(err))
             return False
-        return await self.compact("", "overflow" if overflow else "auto")
 
     async def compact(
         self, focus: str, trigger: CompactTrigger = "ctl", *, after: str | None = "thinking"
@@ -261,7 +266,9 @@ class Agent:
         does for a compaction outside a turn, which must not show ``thinking`` on its
         way back to ``idle``). preCompact's output is further instructions for the
         compaction model (the chat line names only the user's focus); postCompact's
-        joins the new context."""
+        joins the new context. A snapshot the disk refuses (full) raises ``DiskError``,
+        the history kept: ``ctl compact`` is refused with it, a compaction in a turn
+        says so and goes on."""
         tokens = self.history.totals.last_context_tokens or self.history.estimate()
         pre = await self.hook("preCompact", trigger=trigger, focus=focus, tokens=tokens)
         if pre is not None and pre.blocked:
@@ -280,9 +287,11 @@ class Agent:
             where = self.host.compactions_dir()
             n = next_snapshot_number(where)
             await trio.to_thread.run_sync(write_snapshot, where, n, p.before, r.summary, r.dropped)
-        except (CompactionFailed, OSError) as err:
+        except CompactionFailed as err:
             self.emit("error", f"compaction failed, history kept: {err}")
             return False
+        except OSError as err:
+            raise disk_error(err, "compaction failed, history kept: compactions/") from None
         finally:
             if after is not None:
                 self.set_state(after)

@@ -21,6 +21,7 @@ history stays well-formed (each tool call of an assistant message has its answer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -225,6 +226,7 @@ def _cut(text: str, host: ToolHost, call_id: str) -> str:
         return text
     head = data[:MAX_RESULT].decode(errors="ignore")
     note = f"[output cut: showing {len(head.encode())} of {len(data)} bytes"
+    path = None
     try:
         d = host.results_dir()
         d.mkdir(parents=True, exist_ok=True)
@@ -235,6 +237,9 @@ def _cut(text: str, host: ToolHost, call_id: str) -> str:
         note += f"; the whole output is in {path}: read the rest with file_read offset={lines}]"
     except OSError as err:
         log.warning("cannot keep the whole tool output: %s", err)
+        if path is not None:  # a full disk: no cut copy is left to pass for the whole
+            with contextlib.suppress(OSError):
+                path.unlink()
         note += "; narrow the command to see the rest]"
     return head.rstrip("\n") + "\n" + note
 

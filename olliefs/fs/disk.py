@@ -80,12 +80,20 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, S
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import trio
 
 from olliefs.caller import Caller
-from olliefs.errors import Denied, Exists, InvalidRequest, NotFound, NotPermitted, OllieError
+from olliefs.errors import (
+    Denied,
+    DiskError,
+    Exists,
+    InvalidRequest,
+    NotFound,
+    NotPermitted,
+    OllieError,
+    disk_error,
+)
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Text
 
 _serial = itertools.count(1)
@@ -102,26 +110,6 @@ def _key() -> tuple[str, int]:
 
 
 # ---- errors of the disk --------------------------------------------------------------
-
-
-class DiskError(OllieError):
-    """A failure of the backing folder, answered with the errno the disk gave.
-
-    One subclass per errno (made on first use), because each error class carries its
-    errno (``olliefs.errors``): ENOSPC, EISDIR, ENOTEMPTY ... reach the client unchanged.
-    """
-
-
-_KINDS: dict[int, type[DiskError]] = {}
-
-
-def disk_error(err: OSError, what: str) -> DiskError:
-    code = err.errno or errno.EIO
-    kind = _KINDS.get(code)
-    if kind is None:
-        name = f"DiskError_{errno.errorcode.get(code, str(code))}"
-        kind = _KINDS[code] = cast(type[DiskError], type(name, (DiskError,), {"errno": code}))
-    return kind(f"{what}: {err.strerror or os.strerror(code)}")
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from olliefs.agent.profile import (
     check_complete,
     check_name,
 )
-from olliefs.errors import Denied, InvalidRequest, NotFound
+from olliefs.errors import Denied, InvalidRequest, NotFound, disk_error
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open
 
 
@@ -99,7 +99,12 @@ class ProfileHandle(Handle):
         verdict = check_complete(bytes(self.buf))
         if verdict.status is not Status.VALID:
             self._refuse(f"a/{self.node.name}.json: {verdict.reason or 'incomplete'}")
-        await trio.to_thread.run_sync(self.node.save, bytes(self.buf))
+        try:
+            await trio.to_thread.run_sync(self.node.save, bytes(self.buf))
+        except OSError as err:  # a full disk: the old profile stays in force
+            refusal = disk_error(err, f"a/{self.node.name}.json: not saved")
+            self.refused(str(refusal))
+            raise refusal from None
 
 
 class ProfileFile(File):
@@ -144,11 +149,15 @@ class ProfileFile(File):
         d.mkdir(parents=True, exist_ok=True)
         dest = d / f"{self.name}.json"
         tmp = d / f".{self.name}.json.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable
 from pathlib import Path
 
 from olliefs.caller import Caller, tool_guard
-from olliefs.errors import NotFound, OllieError
+from olliefs.errors import DiskError, NotFound, OllieError
 from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
     CACHED_TTL,
@@ -145,7 +145,11 @@ class PeerDir(Dir):
                 return
             if other.closed:
                 raise NotFound(f"peer {other.id} is gone")
-            await other.submit(f"[from {sender.id}] {text.strip()}", caller)
+            try:
+                await other.submit(f"[from {sender.id}] {text.strip()}", caller)
+            except DiskError as err:  # the writer is told too, where it looks
+                sender.refused(f"peer {other.id}: {err}")
+                raise
 
         # A refused write is the writer's: its reason goes to this session's err (and
         # chat), where the writer looks, not to the peer, which was never reached.
@@ -306,7 +310,11 @@ class SessionsDir(Dir):
 
     async def rename(self, old: str, new: str) -> None:
         s = self.reg.get(old)
-        self.reg.rename(s, new)
+        try:
+            self.reg.rename(s, new)
+        except DiskError as err:
+            s.refused(f"mv: not renamed: {err}")
+            raise
         await s.sync()
 
 

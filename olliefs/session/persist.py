@@ -7,8 +7,11 @@ and ``events``), history messages, usage, configuration changes and renames.
 Durability: records are written with ``write(2)`` as the turn goes (a killed daemon loses
 none of them: they are in the kernel), and the file is fsync'd when a prompt is
 acknowledged, when a turn ends and when the session is created, so a machine crash loses
-at most the part of a turn that was still running. A torn last line (a crash inside
-``write``) is ignored on replay.
+at most the part of a turn that was still running. A record is in the file whole or not
+at all: an append the disk refuses (a full disk, a quota, an I/O error) is cut back
+before anything else is appended (``Journal``). A torn last line (a crash inside
+``write``) is ignored on replay and cut; a line that an older version tore at a full
+disk and glued the next record to is split again, and the record after the tear kept.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ import msgspec
 
 from olliefs.agent.events import Event
 from olliefs.backend.base import Message, Usage
+from olliefs.errors import DiskError, disk_error
 
 log = logging.getLogger(__name__)
 
@@ -235,43 +240,177 @@ _EV_HEAD = b'{"type":"ev","ev":'
 
 
 class Journal:
-    """Append-only records; ``sync`` may run in a worker thread while appends go on.
+    """Append-only records, each one whole in the file or not there at all.
 
-    Appends are counted, and a sync marks as durable only what was appended before it
-    began, so an append that races with a sync in another thread is never taken as
-    synced.
+    Every append remembers where the file ended before it (``size``); an append the disk
+    refuses (ENOSPC, EDQUOT, EIO ...) is cut back to there with ``ftruncate``, so a
+    half-written record never stays in the file, and the next record starts on a line of
+    its own. If even the cut fails, the length is kept and the cut is made before the next
+    append, which is refused if it still cannot be made: a torn record can be at most the
+    last line of the file (which a restore cuts), never one in the middle.
+
+    A *strict* append (a prompt, a ``ctl`` or ``cfg`` request, a session's creation)
+    raises ``DiskError`` when it cannot be written: the caller refuses its request, and
+    nothing of it is in the file. Any other append (the events of a turn, a history
+    message, a state change) cannot be refused, since what it records has happened: it
+    joins the *backlog*, the records owed to the file, in order. While anything is owed,
+    every append writes the backlog first (or joins it), so the file is always a prefix
+    of the session's records, in their order, as after a crash: a restore brings back
+    exactly that prefix. ``error`` says why records are owed; ``on_broken`` is called
+    when the first one is, ``on_mended`` when the backlog is written out.
+
+    Appends run on one thread (the trio thread); ``sync`` (an fsync) may run in a worker
+    thread meanwhile. Appends are counted, and a sync marks as durable only what was
+    appended before it began, so an append that races with a sync in another thread is
+    never taken as synced.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Read and write: ``retract`` reads back the records it moves.
+        self._fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._size = os.fstat(self._fd).st_size  # where the last whole record ends
+        self._cut_due = False  # a failed append left bytes past _size that are not cut yet
+        self._backlog: deque[bytes] = deque()
+        self.error: DiskError | None = None  # why the backlog is not written
+        self.on_broken: Callable[[DiskError], None] | None = None
+        self.on_mended: Callable[[], None] | None = None
         self._appended = 0
         self._synced = 0
         self._lock = threading.Lock()  # sync and close may run in different threads
 
-    def append(self, rec: Record) -> None:
-        self._write(_encoder.encode(rec) + b"\n")
+    @property
+    def size(self) -> int:
+        """Where the file's last whole record ends (the next one starts there)."""
+        return self._size
+
+    @property
+    def owed(self) -> int:
+        """Records in the backlog (appended, not yet in the file)."""
+        return len(self._backlog)
+
+    def append(self, rec: Record, *, strict: bool = False) -> None:
+        data = _encoder.encode(rec) + b"\n"
+        self._append([data], len(data), strict)
 
     def append_event(self, line: bytes) -> None:
         """An ``Ev`` record of the event whose ``encode_line`` is ``line``."""
         if self._fd < 0:
             return
         with memoryview(line) as view, view[:-1] as event:
-            self._writev([_EV_HEAD, event, b"}\n"], len(line) + len(_EV_HEAD) + 1)
+            self._append([_EV_HEAD, event, b"}\n"], len(line) + len(_EV_HEAD) + 1, False)
 
-    def _write(self, data: bytes) -> None:
+    def append_records(self, records: Sequence[Record | bytes]) -> int:
+        """Several records as one strict write, all of them in the file or none (after
+        the backlog); ``bytes`` is an event's ``encode_line`` (as ``append_event``).
+        Returns where they start in the file."""
+        parts: list[bytes | memoryview] = [
+            _EV_HEAD + r[:-1] + b"}\n" if isinstance(r, bytes) else _encoder.encode(r) + b"\n"
+            for r in records
+        ]
+        size = sum(map(len, parts))
+        self._append(parts, size, True)
+        return self._size - size
+
+    def _append(self, parts: list[bytes | memoryview], size: int, strict: bool) -> None:
         if self._fd < 0:
             return  # closed: the session is gone, and what it still says goes nowhere
-        os.write(self._fd, data)
+        try:
+            if self._backlog and not self.catch_up():
+                assert self.error is not None
+                raise type(self.error)(str(self.error))  # one of its own for each refusal
+            self._write(parts, size)
+        except DiskError as err:
+            if strict:
+                raise
+            self._backlog.append(b"".join(parts))
+            self._broke(err)
+
+    def _broke(self, err: DiskError) -> None:
+        """Records are owed (``err`` is why); the first time since the file took them
+        all, ``on_broken`` is told."""
+        if self.error is None:
+            self.error = err
+            log.warning("%s: %s; records are kept in memory until it can be", self.path, err)
+            if self.on_broken is not None:
+                self.on_broken(err)
+
+    def _write(self, parts: Sequence[bytes | memoryview], size: int) -> None:
+        """``parts`` at the end of the file, whole (O_APPEND: a writev lands whole at the
+        end, as one write would), or nothing of them: a failure is cut back."""
+        if self._cut_due:
+            self._cut("cutting back a partial record")
+        try:
+            done = os.writev(self._fd, parts)
+            if done < size:  # short (a full disk, or a signal): the rest, once joined
+                rest = memoryview(b"".join(parts))[done:]
+                while rest:
+                    rest = rest[os.write(self._fd, rest) :]
+        except OSError as err:
+            failed = disk_error(err, "journal")
+            self._cut_due = True
+            try:
+                self._cut("cutting back a partial record")
+            except DiskError as cut:
+                log.warning("%s: %s; cut before the next append", self.path, cut)
+            raise failed from None
+        self._size += size
         self._appended += 1
 
-    def _writev(self, parts: list[bytes | memoryview], size: int) -> None:
-        """``parts`` as one record, without joining them first (a delta can be large).
-        O_APPEND: a writev lands whole at the end, as one write would."""
-        done = os.writev(self._fd, parts)
-        if done < size:  # short (a full disk, or a signal): the rest, once joined
-            os.write(self._fd, b"".join(parts)[done:])
-        self._appended += 1
+    def _cut(self, what: str) -> None:
+        """The file back to ``size`` (a no-op when nothing is past it)."""
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as err:
+            raise disk_error(err, f"journal ({what})") from None
+        self._cut_due = False
+        self._appended += 1  # the cut, too, reaches the disk at the next sync
+
+    def catch_up(self) -> bool:
+        """Write the backlog, oldest first, as far as the disk allows; True when nothing
+        is owed any more. On the appending thread only."""
+        while self._backlog:
+            data = self._backlog[0]
+            try:
+                self._write([data], len(data))
+            except DiskError as err:
+                self.error = err
+                return False
+            self._backlog.popleft()
+        if self.error is not None:
+            log.info("%s: written again", self.path)
+            self.error = None
+            if self.on_mended is not None:
+                self.on_mended()
+        return True
+
+    def retract(self, start: int, end: int) -> None:
+        """Take the records in ``[start, end)`` out of the file (a prompt whose fsync
+        failed, so that it is not acknowledged after all): the records appended after
+        them move up. Raises ``DiskError`` if the file cannot be read or cut; records
+        that cannot be written back join the front of the backlog."""
+        try:
+            tail = b""
+            while end + len(tail) < self._size:
+                more = os.pread(self._fd, self._size - end - len(tail), end + len(tail))
+                if not more:
+                    break
+                tail += more
+        except OSError as err:
+            raise disk_error(err, "journal (reading back)") from None
+        size, self._size = self._size, start
+        try:
+            self._cut("retracting records")
+        except DiskError:
+            self._size = size  # nothing was cut: the file is as it was
+            raise
+        if not tail:
+            return
+        try:
+            self._write([tail], len(tail))
+        except DiskError as err:
+            self._backlog.extendleft(reversed(tail.splitlines(keepends=True)))
+            self._broke(err)
 
     @property
     def dirty(self) -> bool:
@@ -279,19 +418,42 @@ class Journal:
         return self._appended != self._synced
 
     def sync(self) -> None:
-        """Make everything appended so far durable (fsync). Cheap when nothing changed."""
+        """Make everything in the file durable (fsync); not the backlog, which only the
+        appending thread writes (``catch_up``). Cheap when nothing changed."""
         with self._lock:
             upto = self._appended
             if upto != self._synced and self._fd >= 0:
-                os.fsync(self._fd)
+                try:
+                    os.fsync(self._fd)
+                except OSError as err:
+                    raise disk_error(err, "journal (fsync)") from None
                 self._synced = max(self._synced, upto)
 
     def close(self) -> None:
-        self.sync()
+        """Write what is owed if the disk allows it now, sync, close. What still cannot
+        be written is lost, and logged (the file holds the records before it)."""
+        if self._fd < 0:
+            return
+        if not self.catch_up():
+            log.warning(
+                "%s: %d records not written (%s): the journal ends before them",
+                self.path,
+                len(self._backlog),
+                self.error,
+            )
+        try:
+            self.sync()
+        except DiskError as err:
+            log.warning("%s: %s", self.path, err)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Close without writing or syncing anything more (a creation that failed)."""
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+        self._backlog.clear()
 
 
 def sync_dir(path: Path) -> None:
@@ -324,13 +486,13 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         raise OSError(err, os.strerror(err), str(src))
     if err == errno.EXDEV:
         tmp = dst.with_name(f".{dst.name}.tmp")
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
         try:
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
             os.link(tmp, dst)
         finally:
-            os.unlink(tmp)
+            tmp.unlink(missing_ok=True)  # a copy cut by a full disk is not left behind
     else:
         os.link(src, dst)
     os.unlink(src)
@@ -365,15 +527,19 @@ def write_branch(root: Path, k: int, messages: Sequence[Message], chat: bytes) -
     final, tmp = root / str(k), root / f".{k}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
-    ctx = b"".join(_encoder.encode(m) + b"\n" for m in messages)
-    for name, data in (("context", ctx), ("chat", chat)):
-        with open(tmp / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    sync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+    try:
+        ctx = b"".join(_encoder.encode(m) + b"\n" for m in messages)
+        for name, data in (("context", ctx), ("chat", chat)):
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        sync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves nothing half-written
+        raise
     sync_dir(root)
 
 
@@ -407,6 +573,29 @@ def _records(path: Path, data: bytes) -> list[Record]:
         try:
             records.append(_decoder.decode(line))
         except msgspec.DecodeError as e:
-            log.warning("%s:%d: unreadable journal record ignored from here: %s", path, n, e)
-            break
+            glued = _unglued(line)
+            if glued is None:
+                log.warning("%s:%d: unreadable journal record ignored from here: %s", path, n, e)
+                break
+            log.warning("%s:%d: a torn record (%d bytes) dropped", path, n, glued[0])
+            records.append(glued[1])
     return records
+
+
+_RECORD_HEAD = b'{"type":"'
+
+
+def _unglued(line: bytes) -> tuple[int, Record] | None:
+    """The record glued to a torn one in ``line``, and where it starts; None if there is
+    none. Versions before the cut-back left a record torn by a full disk in the file, and
+    appended the next one right after it, on the same line. The glued record starts at a
+    ``{"type":"`` (in a JSON string the quotes would be escaped); of those, the last one
+    that decodes to the end of the line is it (an object nested in a record never does:
+    the line ends with its record's closing braces)."""
+    at = len(line)
+    while (at := line.rfind(_RECORD_HEAD, 1, at)) > 0:
+        try:
+            return at, _decoder.decode(line[at:])
+        except msgspec.DecodeError:
+            continue
+    return None

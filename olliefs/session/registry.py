@@ -27,7 +27,15 @@ from olliefs.agent.runtime import ToolLink
 from olliefs.agent.shell import base_env
 from olliefs.backend.base import Backend, BackendError
 from olliefs.caller import USER, Caller
-from olliefs.errors import Busy, Exists, InvalidRequest, NotFound, short_reason
+from olliefs.errors import (
+    Busy,
+    DiskError,
+    Exists,
+    InvalidRequest,
+    NotFound,
+    disk_error,
+    short_reason,
+)
 from olliefs.live import GrowingLog
 from olliefs.session import persist
 from olliefs.session.commands import split_request
@@ -489,27 +497,34 @@ class Registry:
         # the records are written (a fork copies a whole history) leaves no session at
         # all, never one with part of its beginning.
         tmp = path.with_name(f".{path.name}.tmp")
+        journal: persist.Journal | None = None
         try:
-            journal = persist.Journal(tmp)
             rec = persist.Create(uid, sid, cfg.cwd, cfg.backend, cfg.model, cfg.agent, time.time())
-            for r in (rec, *extra):
-                journal.append(r)
+            try:
+                journal = persist.Journal(tmp)
+                journal.append_records([rec, *extra])
+            except OSError as err:
+                raise disk_error(err, "journal") from None
 
             def durable() -> None:
+                assert journal is not None
                 journal.sync()
-                os.rename(tmp, path)
-                journal.path = path
-                persist.sync_dir(self.paths.sessions)
+                try:
+                    os.rename(tmp, path)
+                    journal.path = path
+                    persist.sync_dir(self.paths.sessions)
+                except OSError as err:
+                    raise disk_error(err, "journal") from None
 
             await trio.to_thread.run_sync(durable)
             s = self._from_create(rec, journal)
             s.replay(list(extra))
         except BaseException:
+            # Nothing of it stays: no journal under either name, no descriptor open.
+            if journal is not None:
+                journal.abandon()
             for left in (tmp, path):
-                try:
-                    left.unlink()
-                except FileNotFoundError:
-                    pass
+                left.unlink(missing_ok=True)
             raise
         finally:
             self._reserved.discard(sid)
@@ -525,11 +540,15 @@ class Registry:
         def write() -> Path:
             data = s.chat.read(0, size)
             tmp = tr / f".{stamp}-{s.id}.md.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            return persist.keep_as(tmp, tr, stamp, s.id, ".md")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return persist.keep_as(tmp, tr, stamp, s.id, ".md")
+            except OSError as err:
+                tmp.unlink(missing_ok=True)  # no half transcript left on a full disk
+                raise disk_error(err, "save: the transcript") from None
 
         dest = await trio.to_thread.run_sync(write)
         s.emit("info", f"saved to tr/{dest.name}")
@@ -551,13 +570,19 @@ class Registry:
         chat_size = len(s.chat)
         root = self.branches_dir(s)
         k = s.branches + 1
-        s.branches = k
         s.rewind_to(n, k)
 
         def write() -> None:
             persist.write_branch(root, k, before, s.chat.read(0, chat_size))
 
-        await trio.to_thread.run_sync(write)
+        try:
+            await trio.to_thread.run_sync(write)
+        except OSError as err:
+            # The rewind is done and journaled; the journal also holds what the branch
+            # is, and a restore writes a branch it does not find (``Session.replay``).
+            log.warning("session %s: branches/%d not written: %s", s.id, k, err)
+            why = err.strerror or err
+            s.error(f"branches/{k} not written ({why}); it is written at the next start")
 
     async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]:
         """A ``!cmd`` prompt: bash through toolsrv's ``execute_code``, sandboxed like any
@@ -602,7 +627,7 @@ class Registry:
             raise Busy(f"rename {s.id}: refused while a {s.work} is running")
         self.check_new_name(new)
         old = s.id
-        s.record(persist.Rename(new))
+        s.record(persist.Rename(new), strict=True)
         del self.sessions[old]
         s.id = new
         self.sessions[new] = s
@@ -632,12 +657,21 @@ class Registry:
     async def _keep(self, s: Session, stamp: str) -> None:
         # The fsync in a worker thread; the close itself here, on the thread that appends,
         # so no append can meet a descriptor closed (or reused) under it.
-        await trio.to_thread.run_sync(s.journal.sync)
+        s.journal.catch_up()
+        try:
+            await trio.to_thread.run_sync(s.journal.sync)
+        except DiskError as err:
+            log.warning("session %s: %s", s.id, err)
         s.journal.close()
 
         def move() -> None:
-            persist.keep_as(s.journal.path, self.paths.transcripts, stamp, s.id, ".jsonl")
-            persist.sync_dir(self.paths.sessions)
+            try:
+                persist.keep_as(s.journal.path, self.paths.transcripts, stamp, s.id, ".jsonl")
+                persist.sync_dir(self.paths.sessions)
+            except OSError as err:
+                # Not moved: the session comes back at the next start, nothing is lost.
+                log.warning("session %s: journal not moved to the transcripts: %s", s.id, err)
+                raise disk_error(err, "the journal of the killed session") from None
 
         await trio.to_thread.run_sync(move)
 

@@ -13,6 +13,16 @@ commands are entries of the table in ``commands.py``; ``cfg`` is one typed recor
 (``olliefs.agent.config.Cfg``). Durability waits (fsync) run in a worker thread, never on
 the thread that serves the mount.
 
+A full disk (or a quota, or an I/O error) refuses what a user asks for and stops what
+the session was doing, never more: a prompt, a ``ctl`` or ``cfg`` line, a plan, a take
+from ``fifo.out`` whose record cannot be written is refused with the disk's errno and
+the reason (``refused``), and nothing of it happens; a record that tells what already
+happened (a turn's events and messages) is kept in the journal's backlog
+(``persist.Journal``) and written as soon as the disk takes it. A turn that meets the
+full disk is stopped, as by ``ctl stop``, with an ``error:`` line that says why; prompts
+queued behind it wait until the journal is written again (``_mend`` tries now and then,
+and every write tries first), then run in order.
+
 The session reaches the rest of the daemon only through ``SessionHost``, a protocol the
 registry implements, so this module does not import the registry.
 """
@@ -38,7 +48,7 @@ from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink
 from olliefs.backend.base import BackendError, Message, Usage
 from olliefs.caller import USER, Caller
-from olliefs.errors import Busy, Denied, InvalidRequest, short_reason
+from olliefs.errors import Busy, Denied, DiskError, InvalidRequest, short_reason
 from olliefs.live import GrowingLog, StateCell
 from olliefs.memory import give_back
 from olliefs.session import commands, persist
@@ -48,6 +58,10 @@ from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
 
 log = logging.getLogger(__name__)
+
+MEND_FIRST = 1.0  # seconds before a session tries again to write what its journal owes
+MEND_MAX = 30.0  # ... doubling up to this
+WAIT = "wait until the journal is written again"
 
 
 class SessionHost(Protocol):
@@ -158,6 +172,16 @@ class Session:
         self._runtime_building: trio.Event | None = None
         self._runtime: Runtime | None = None  # as built by ``ready``, until ``run`` starts
         self._streamed = persist.StreamedText()
+        # A full disk: why the running turn was stopped (it says so as it ends); set when
+        # the journal mended (``_mend`` waits on it); prompts are acknowledged one at a
+        # time (a failed fsync takes its prompt's records back out, see ``submit``).
+        self._cut_turn: DiskError | None = None
+        self._mended = trio.Event()
+        self._mending = False
+        self._told = False  # the error line of this full disk was shown
+        self._submitting = trio.Lock()
+        journal.on_broken = self._journal_broken
+        journal.on_mended = self._journal_mended
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
         self.agent = Agent(
@@ -216,9 +240,12 @@ class Session:
 
     # ---- output (also the AgentHost side) -------------------------------------------
 
-    def record(self, rec: Record) -> None:
+    def record(self, rec: Record, *, strict: bool = False) -> None:
+        """``rec`` to the journal. ``strict``: the first record of a request, made before
+        the request changes anything, so that a ``DiskError`` refuses it whole; otherwise
+        a record the disk refuses waits in the journal's backlog."""
         if not self._replaying:
-            self.journal.append(self._streamed.pack(rec))
+            self.journal.append(self._streamed.pack(rec), strict=strict)
 
     def emit(
         self, role: EventRole, content: str = "", name: str = "", response_id: str = ""
@@ -285,6 +312,9 @@ class Session:
             self.agent.compact_requested = focus
             self.emit("info", "compaction requested: before the next request of this turn")
             return
+        err = self.journal.error
+        if err is not None:  # nothing would run before the journal is written again
+            raise type(err)(str(err))
         self._compaction = focus
         self._work_scope = trio.CancelScope()
         self.set_state("compacting")
@@ -296,7 +326,11 @@ class Session:
             raise Busy("compact: a compaction is already running (ctl stop ends it)")
 
     def set_plan(self, text: str) -> None:
-        self.record(persist.Plan(text))
+        try:
+            self.record(persist.Plan(text), strict=True)
+        except DiskError as err:
+            self.refused(f"plan not saved: {err}")
+            raise
         self.plan = text
         self.emit("info", "plan updated" if text.strip() else "plan cleared")
 
@@ -304,8 +338,13 @@ class Session:
         """``fifo.out``: take the next queued prompt away (it will not run)."""
         if not self.queue:
             return None
-        seq, text = self.queue.popleft()
-        self.record(persist.Dropped([seq]))
+        seq, text = self.queue[0]
+        try:
+            self.record(persist.Dropped([seq]), strict=True)
+        except DiskError as err:
+            self.refused(f"fifo.out: {err}")
+            raise
+        self.queue.popleft()
         self.emit("info", "a queued prompt was taken through fifo.out")
         if not self.queue and not self.running:
             self.set_state("idle")
@@ -314,12 +353,18 @@ class Session:
     # ---- prompts and the turn runner ------------------------------------------------
 
     async def submit(self, text: str, caller: Caller = USER) -> None:
-        """Acknowledge a prompt: journal it, fsync, show its ``user:`` line, queue it.
+        """Acknowledge a prompt: journal it, show its ``user:`` line, fsync, queue it.
 
         ``/cmd`` is a ctl command, run at once (``/stop`` stops the running turn);
         ``!cmd`` is a shell command, queued like a prompt and run in the session's cwd
         under toolsrv's sandbox when its turn comes, its output added to the context;
         refused to a sandboxed ``caller``, whose rights it would exceed (`Caller`).
+
+        A prompt whose records the disk refuses is refused (``DiskError``, with the
+        disk's errno) and nothing of it is kept or shown, but the reason. One whose fsync
+        fails after they were written is taken back out of the journal (its ``user:``
+        line, shown already, is followed by the error that says so). Prompts are
+        acknowledged one at a time, so that a take-back moves no other prompt's records.
         """
         text = text.strip()
         if not text or self.closed:
@@ -333,12 +378,30 @@ class Session:
             except Denied as err:
                 self.refused(str(err))
                 raise
-        self._seq += 1
-        seq = self._seq
-        self.record(persist.Prompt(seq, text, time.time()))
-        self.emit("user", text)
-        self.prompt_prev = text
-        await self.sync()
+        async with self._submitting:
+            seq = self._seq + 1
+            ev = Event(time.time(), self.id, self.uid, "user", "", text, "")
+            line = encode_line(ev)
+            try:
+                start = self.journal.append_records([persist.Prompt(seq, text, ev.ts), line])
+            except DiskError as err:
+                self.refused(f"prompt not accepted: {err}")
+                err.told = True
+                raise
+            end = self.journal.size
+            self._seq = seq
+            self._streamed.saw(ev)
+            # Shown where its records are in the journal (a running turn's events may
+            # follow them during the fsync), so that a restore renders the same chat.
+            self._show(ev, line)
+            try:
+                await trio.to_thread.run_sync(self.journal.sync)
+            except DiskError as err:
+                self._take_back(seq, start, end)
+                self.refused(f"prompt not accepted (the user: line above is not kept): {err}")
+                err.told = True
+                raise
+            self.prompt_prev = text
         busy = self.running
         self.queue.append((seq, text))
         self._queue_lot.unpark_all()
@@ -348,10 +411,68 @@ class Session:
             # compaction the state stays what that work says (``calling: x``, ...).
             self.set_state("thinking")
 
+    def _take_back(self, seq: int, start: int, end: int) -> None:
+        """A prompt's records out of the journal again (its fsync failed)."""
+        try:
+            self.journal.retract(start, end)
+        except DiskError as err:
+            # Still in the file: a restore must not run it.
+            log.warning("session %s: prompt %d stays in the journal (%s)", self.id, seq, err)
+            self.record(persist.Dropped([seq]))
+
     async def sync(self) -> None:
-        """The journal to the disk, in a worker thread (an fsync stalls nobody else)."""
-        if self.journal.dirty:
+        """The journal to the disk, in a worker thread (an fsync stalls nobody else).
+        What the disk refuses is said in chat; nothing here is refused (a request's own
+        records were written strictly before it changed anything)."""
+        self.journal.catch_up()
+        if not self.journal.dirty:
+            return
+        try:
             await trio.to_thread.run_sync(self.journal.sync)
+        except DiskError as err:
+            log.warning("session %s: %s", self.id, err)
+            self.error(f"{err} (what this session did last may not survive a machine crash)")
+
+    def _journal_broken(self, err: DiskError) -> None:
+        """The journal owes records from now on: a running turn stops (and says why);
+        queued prompts wait until it is written again (``run``)."""
+        self._mended = trio.Event()
+        if self.running:
+            self._cut_turn = err
+            if self._work_scope is not None:
+                self._work_scope.cancel()
+        if self._nursery is not None and not self._mending:
+            self._nursery.start_soon(self._mend)
+
+    def _journal_mended(self) -> None:
+        self._mended.set()
+        self._queue_lot.unpark_all()
+
+    async def _mend(self) -> None:
+        """While the journal owes records: try again now and then (space is freed from
+        outside, and the session may have nothing else to write meanwhile); then say so."""
+        self._mending = True
+        try:
+            await trio.lowlevel.checkpoint()  # after the write that broke, and its turn's end
+            if self.queue and not self.running and not self._told:
+                self._told = True
+                self.error(f"{self.journal.error}: queued prompts {WAIT}")
+            delay = MEND_FIRST
+            while self.journal.error is not None:
+                with trio.move_on_after(delay):
+                    await self._mended.wait()
+                delay = min(delay * 2, MEND_MAX)
+                self.journal.catch_up()
+        finally:
+            self._mending = False
+        self._told = False
+        n = len(self.queue)
+        more = (
+            f"; {n} queued prompt{'' if n == 1 else 's'} run{'s' if n == 1 else ''} now"
+            if n
+            else ""
+        )
+        self.emit("info", f"the journal is written again{more}")
 
     async def run(self) -> None:
         """The session's life: run queued prompts one at a time until it is killed."""
@@ -365,9 +486,15 @@ class Session:
                 if self.spawned and rt is not None:
                     self.spawned = False
                     await self._agent_started(rt)
+                if self.journal.error is not None:  # a restore on a full disk
+                    nursery.start_soon(self._mend)
                 try:
                     while True:
-                        while not self.queue and self._compaction is None:
+                        # Nothing starts while the journal owes records: a turn would
+                        # stop at its first one.
+                        while (
+                            not self.queue and self._compaction is None
+                        ) or self.journal.error is not None:
                             await self._queue_lot.park()
                         await self.ready()
                         if self._compaction is not None:
@@ -385,15 +512,22 @@ class Session:
         try:
             with trio.CancelScope() as scope:
                 self._work_scope = scope
+                if self.journal.error is not None:  # broken since it was taken
+                    self._cut_turn = self.journal.error
+                    scope.cancel()
                 if text.startswith("!"):
                     await self._run_shell(text[1:].strip())
-                    return
-                self.turn_starts.append(len(agent.history.messages))
-                agent.context_length = await self.host.context_length(
-                    agent.cfg.backend, agent.cfg.model
-                )
-                await agent.run(text)
-            if scope.cancelled_caught:
+                else:
+                    self.turn_starts.append(len(agent.history.messages))
+                    agent.context_length = await self.host.context_length(
+                        agent.cfg.backend, agent.cfg.model
+                    )
+                    await agent.run(text)
+            if scope.cancelled_caught and self._cut_turn is not None:
+                self._told = True
+                more = f"; queued prompts {WAIT}" if self.queue else ""
+                self.emit("error", f"{self._cut_turn}: turn stopped{more}")
+            elif scope.cancelled_caught:
                 self.emit("info", "stopped")
                 if agent.compact_requested is not None:
                     # ``stop`` means the user wants nothing more done now.
@@ -406,6 +540,7 @@ class Session:
             self.emit("error", f"internal error: {type(err).__name__}: {err}")
         finally:
             self._work_scope = None
+            self._cut_turn = None
             self._running_seq = None
             self.renderer.end_turn()
             agent.history.totals.last_turn_cost = agent.turn_cost
@@ -438,6 +573,8 @@ class Session:
                 self.emit("info", "compaction stopped; history kept" if kept else "stopped")
         except BackendError as err:  # e.g. a backend that cannot be built
             self.emit("error", f"compaction failed, history kept: {err}")
+        except DiskError as err:  # its snapshot refused: the write has returned, so err
+            self.refused(str(err))
         except Exception as err:  # a bug must not take the daemon down
             log.exception("compaction of session %s failed", self.id)
             self.emit("error", f"internal error: {type(err).__name__}: {err}")
@@ -488,7 +625,7 @@ class Session:
 
     def clear_queue(self) -> None:
         seqs = [seq for seq, _ in self.queue]
-        self.record(persist.Dropped(seqs))
+        self.record(persist.Dropped(seqs), strict=True)
         self.queue.clear()
         self.emit("info", f"queue cleared ({len(seqs)} prompt{'' if len(seqs) == 1 else 's'})")
         if not self.running:
@@ -496,7 +633,7 @@ class Session:
 
     def set_max_steps(self, n: int | None) -> None:
         if n is not None:
-            self.record(persist.MaxSteps(n))
+            self.record(persist.MaxSteps(n), strict=True)
             self.agent.max_steps = n
         self.emit("info", f"maxsteps {self.agent.max_steps}")
 
@@ -504,11 +641,12 @@ class Session:
         return len(self.turn_starts)
 
     def rewind_to(self, n: int, branch: int) -> None:
-        """Drop the last ``n`` turns from the history (their branch is already on disk)."""
+        """Drop the last ``n`` turns from the history, as branch number ``branch``."""
+        self.record(persist.Rewind(n, branch), strict=True)
+        self.branches = branch
         cut = self.turn_starts[len(self.turn_starts) - n]
         self.agent.history.truncate(cut)
         del self.turn_starts[len(self.turn_starts) - n :]
-        self.record(persist.Rewind(n, branch))
         self.emit("info", f"rewound {n} turn{'' if n == 1 else 's'} (kept in branches/{branch})")
 
     def close(self) -> None:
@@ -556,10 +694,21 @@ class Session:
         except (InvalidRequest, Busy, Denied) as err:
             self.refused(str(err))
             raise
-        later = [a for a in (act() for act in actions) if a is not None]
-        await self.sync()
-        for rest in later:
-            await rest
+        try:
+            # An action writes its first record strictly, before it changes anything: on
+            # a full disk it is refused whole (the lines before it stay applied).
+            later = []
+            for act in actions:
+                rest = act()
+                if rest is not None:
+                    later.append(rest)
+            await self.sync()
+            for rest in later:
+                await rest
+        except DiskError as err:
+            if not err.told:
+                self.refused(str(err))
+            raise
 
     def _prepare_cfg(self, line: str, draft: list[Cfg], caller: Caller) -> Apply:
         key, sep, value = line.strip().partition("=")
@@ -695,10 +844,13 @@ class Session:
         if spawn is not None and spawn.context.strip():
             self.agent.add_message(Message("user", f"[agentSpawn hook]\n{spawn.context.strip()}"))
         for prompt in rt.user_prompts:
-            await self.submit(prompt)
+            try:
+                await self.submit(prompt)
+            except DiskError:
+                break  # refused, and chat says so; the ones after it would be too
 
     def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
-        self.record(persist.Cfg(dict(values)))
+        self.record(persist.Cfg(dict(values)), strict=True)
         self.agent.cfg = self.agent.cfg.with_values(dict(values))
         if announce:
             for key, value in values.items():
@@ -706,7 +858,7 @@ class Session:
 
     def set_tools(self, names: list[str], info: str) -> None:
         """The loaded tools changed; toolsrv learns it at the next refresh of the link."""
-        self.record(persist.Tools(names))
+        self.record(persist.Tools(names), strict=True)
         self.agent.link.set_wanted(names)
         self.emit("info", info)
 
@@ -715,7 +867,7 @@ class Session:
         self.emit("error", f"tool {name} unloaded: {why}")
 
     def clear(self) -> None:
-        self.record(persist.Clear())
+        self.record(persist.Clear(), strict=True)
         self.agent.history.clear()
         self.turn_starts.clear()
         self.emit("info", "history cleared")
@@ -813,7 +965,10 @@ class Session:
             if seq not in started and seq not in dropped
         )
         self.set_state("thinking" if self.queue else "idle")
-        self.journal.sync()
+        try:
+            self.journal.sync()
+        except DiskError as err:  # the restore goes on; the next sync tries again
+            log.warning("session %s: %s", self.id, err)
 
 
 def _cost_cap(value: str | None) -> float | None:
