@@ -23,13 +23,14 @@ KB = 1024
 MB = 1024 * 1024
 
 
-def rss(daemon: Daemon) -> int:
+def rss(daemon: Daemon, what: str = "VmRSS") -> int:
+    """The daemon's resident set in bytes (``VmHWM``: its peak so far)."""
     assert daemon.proc is not None
     with open(f"/proc/{daemon.proc.pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{what}:"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {what}")
 
 
 def churn(daemon: Daemon, n: int) -> None:
