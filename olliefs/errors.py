@@ -13,7 +13,8 @@ reason) in its Rerror. One table, here, on the classes themselves:
     ├── NotPermitted     a mode, owner or times that cannot be changed        EPERM
     ├── WouldBlock       O_NONBLOCK read at the end of a blocking file        EAGAIN
     ├── Interrupted      the reader got a signal while blocked                EINTR
-    └── TooMany          too many blocked readers                             EMFILE
+    ├── TooMany          too many blocked readers                             EMFILE
+    └── TooLarge         a write or prompt over its stated limit              EFBIG
 
 Every refused request leaves the runtime's state untouched; the message is what the user
 sees in ``chat`` as ``error: ...``.
@@ -72,6 +73,10 @@ class TooMany(OllieError):
     errno = _errno.EMFILE
 
 
+class TooLarge(OllieError):
+    errno = _errno.EFBIG
+
+
 REASON_MAX = 400
 """Characters of a refusal reason kept in ``err``, ``events``, chat and the log: a reason
 quotes what was written, and a 5 MB bad write must not become a 5 MB error line."""
@@ -82,3 +87,8 @@ def short_reason(reason: str) -> str:
     if len(reason) <= REASON_MAX:
         return reason
     return f"{reason[:REASON_MAX]}... ({len(reason) - REASON_MAX} more characters)"
+
+
+def size_text(n: int) -> str:
+    """A limit as a reason states it: ``16 MiB`` for whole mebibytes, else ``N bytes``."""
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n} bytes"

@@ -53,14 +53,8 @@ from olliefs.backend.base import (
     WireCache,
 )
 from olliefs.backend.openai import parse_base_url
-from olliefs.backend.stream import (
-    MAX_EVENT,
-    HTTPBackend,
-    Secrets,
-    decode_json,
-    http_error,
-    size_text,
-)
+from olliefs.backend.stream import MAX_EVENT, HTTPBackend, Secrets, decode_json, http_error
+from olliefs.errors import size_text
 
 STREAM_TYPES = ("application/vnd.amazon.eventstream",)
 API_URL = "https://codewhisperer.us-east-1.amazonaws.com"

@@ -45,6 +45,7 @@ from olliefs.backend.base import (
     TransientError,
 )
 from olliefs.backend.transport import LeanTransport, direct_body, transport_for
+from olliefs.errors import size_text
 
 MAX_MESSAGE_CHARS = 300
 
@@ -91,11 +92,6 @@ _T = TypeVar("_T")
 
 
 # ---- framing -------------------------------------------------------------------------------
-
-
-def size_text(n: int) -> str:
-    """``16 MiB`` for whole mebibytes, else ``N bytes``."""
-    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n} bytes"
 
 
 def too_long(provider: str, limit: int) -> BadResponseError:
