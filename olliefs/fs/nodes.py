@@ -263,6 +263,14 @@ class File(Node):
     async def truncate(self, size: int) -> None:
         """``truncate(2)`` by path on a writable file: nothing to cut in a control file."""
 
+    async def set_times(self, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """A read-only file's times are its content's (``chat``'s last append, ...):
+        EPERM, as on a disk for a file one may not write. A writable synthetic file
+        (``ctl``, ``prompt``, ``cfg``) has none to set: ignored, like a chown to its
+        owner."""
+        if not self.writable:
+            raise NotPermitted("the times of a read-only file are fixed")
+
 
 class Dir(Node):
     perm = 0o555
