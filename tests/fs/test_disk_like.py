@@ -155,7 +155,5 @@ def test_utimes_of_a_read_only_file_is_refused(daemon: Daemon) -> None:
         assert oserror(os.utime, path) == errno.EPERM, rel
         assert oserror(os.utime, path, (1, 1)) == errno.EPERM, rel
         assert os.stat(path).st_mtime_ns == st.st_mtime_ns, rel
-    assert {f"s/{sid}/chat", f"s/{sid}/stream", f"s/{sid}/events", "events", "t/idx"} <= set(
-        tried
-    )
+    assert {f"s/{sid}/chat", f"s/{sid}/stream", f"s/{sid}/events", "events", "t/idx"} <= set(tried)
     assert len(tried) > 20
