@@ -215,21 +215,14 @@ class SSEDecoder:
         self._started = False
         self._names: dict[bytes, str] = {}  # event names seen, decoded once
 
-    def _add(self, chunk: bytes) -> None:
-        """Hold ``chunk`` after what is held: no event ends in it."""
-        self._parts.append(chunk)
-        self._held += len(chunk)
-        if self._held > self._limit:
-            raise too_long(self._provider, self._limit)
-
-    def _ends_none(self, chunk: bytes) -> bool:
-        """No event can end in ``chunk`` read after what is held (no blank line in it,
-        nor one that a line end held at the end of the last read starts)."""
+    def _no_end(self, chunk: bytes) -> bool:
+        """No event can end in ``chunk``, read after what is held: no blank line in it,
+        nor one that a line end held from the last read starts."""
         parts = self._parts
-        return (
-            b"\n\n" not in chunk
-            and b"\r" not in chunk
-            and not (parts and (parts[-1][-1:] == b"\r" or (parts[-1][-1:] == b"\n" == chunk[:1])))
+        return not (
+            b"\n\n" in chunk
+            or b"\r" in chunk
+            or (parts and (parts[-1][-1:] == b"\r" or (parts[-1][-1:] == b"\n" == chunk[:1])))
         )
 
     def _keep(self, rest: bytes) -> None:
@@ -252,8 +245,11 @@ class SSEDecoder:
         if not chunk:
             return []
         parts = self._parts
-        if self._ends_none(chunk):
-            self._add(chunk)  # no event ends in here: keep it for later
+        if (b"\n" not in chunk and b"\r" not in chunk) or self._no_end(chunk):
+            parts.append(chunk)  # no event ends in here: kept for later (inline: most
+            self._held += len(chunk)  # reads of a slow stream end no event)
+            if self._held > self._limit:
+                raise too_long(self._provider, self._limit)
             return []
         buf = b"".join([*parts, chunk]) if parts else chunk
         held = False
@@ -317,9 +313,12 @@ class SSEDecoder:
         if self._held > self._limit:
             raise too_long(self._provider, self._limit)
         parts = self._parts
-        if self._ends_none(chunk):
+        if (b"\n" not in chunk and b"\r" not in chunk) or self._no_end(chunk):
             if chunk:  # kept, not joined: a long event (or line) comes in many reads
-                self._add(chunk)
+                parts.append(chunk)
+                self._held += len(chunk)
+                if self._held > self._limit:
+                    raise too_long(self._provider, self._limit)
             return _NO_EVENTS
         buf = b"".join([*parts, chunk]) if parts else chunk
         if b"\r" in buf or buf[:6] != b"data: ":
