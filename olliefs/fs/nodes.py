@@ -8,10 +8,12 @@ Kinds:
 
 * ``Text``     read-only synthetic text, snapshotted at open (a read sees one version);
 * ``Script``   like ``Text`` but executable (``tail``);
-* ``Control``  written one request per ``write(2)``, applied before write returns; may be
+* ``Control``  written one request per ``write(2)`` (at most ``MAX_CONTROL_WRITE`` bytes,
+               what the kernel passes in one piece), applied before write returns; may be
                readable (``cfg``, ``s/new``), and may answer the request on the same handle
                (``s/new`` reads back the id it created, the Plan 9 clone-file way);
-* ``PromptIn`` text collected per handle, submitted at flush (close);
+* ``PromptIn`` text collected per handle, submitted at flush (close); at most ``limit``
+               bytes (``Cap``: past it, nothing of the text is taken);
 * ``LogFile``  a ``GrowingLog``: ``chat`` (EOF at the end) or, blocking, ``stream`` and
                ``events`` (a read at the end waits for more);
 * ``StateWait`` one value per open: blocks until the state differs from the one at open.
