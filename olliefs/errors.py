@@ -14,7 +14,8 @@ reason) in its Rerror. One table, here, on the classes themselves:
     ├── WouldBlock       O_NONBLOCK read at the end of a blocking file        EAGAIN
     ├── Interrupted      the reader got a signal while blocked                EINTR
     ├── TooMany          too many blocked readers                             EMFILE
-    └── DiskError        what the disk refused (ENOSPC, EDQUOT, EIO ...)      its own
+    ├── DiskError        what the disk refused (ENOSPC, EDQUOT, EIO ...)      its own
+    └── TooLarge         a write or prompt over its stated limit              EFBIG
 
 Every refused request leaves the runtime's state untouched; the message is what the user
 sees in ``chat`` as ``error: ...``. A ``DiskError`` is answered with the errno the disk
@@ -101,6 +102,10 @@ def disk_error(err: OSError, what: str) -> DiskError:
     return kind(f"{what}: {err.strerror or os.strerror(code)}")
 
 
+class TooLarge(OllieError):
+    errno = _errno.EFBIG
+
+
 REASON_MAX = 400
 """Characters of a refusal reason kept in ``err``, ``events``, chat and the log: a reason
 quotes what was written, and a 5 MB bad write must not become a 5 MB error line."""
@@ -111,3 +116,8 @@ def short_reason(reason: str) -> str:
     if len(reason) <= REASON_MAX:
         return reason
     return f"{reason[:REASON_MAX]}... ({len(reason) - REASON_MAX} more characters)"
+
+
+def size_text(n: int) -> str:
+    """A limit as a reason states it: ``16 MiB`` for whole mebibytes, else ``N bytes``."""
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n} bytes"

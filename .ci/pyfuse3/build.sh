@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build pyfuse3 3.5.0 from its sdist with interrupt.patch and fast.patch and install it
-# into a venv.
+# Build pyfuse3 3.5.0 from its sdist with interrupt.patch, fast.patch and memory.patch
+# and install it into a venv.
 #
 #   bash .ci/pyfuse3/build.sh .venv
 #
@@ -9,13 +9,15 @@
 # daemon refuses to mount without the patch (see interrupt.patch for what it changes).
 # fast.patch makes the worker loop answer requests in place (a few times less CPU per
 # request), adds FOPEN_NOFLUSH and a many-entries readdir reply (see its top).
+# memory.patch reads every request into one buffer, the reader's: a worker waiting in a
+# handler (a blocked read) held a ~1 MiB buffer of its own.
 # The sdist comes from PyPI by exact version and is checked against its sha256; the build
 # needs gcc, pkg-config and libfuse3-dev, and pip fetches Cython and setuptools for it.
 # Safe to run again: a venv that already has this build is left alone.
 set -euo pipefail
 
 VERSION=3.5.0
-LOCAL=ollie6  # bump on every change of a patch: a venv with an older build is rebuilt
+LOCAL=ollie7  # bump on every change of a patch: a venv with an older build is rebuilt
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 
 venv=${1:?usage: build.sh VENV}
@@ -40,7 +42,7 @@ sdist="$work/pyfuse3-$VERSION.tar.gz"
 echo "$SHA256  $sdist" | sha256sum -c --quiet -
 tar -xzf "$sdist" -C "$work"
 src="$work/pyfuse3-$VERSION"
-for p in interrupt fast; do
+for p in interrupt fast memory; do
     patch -d "$src" -p1 --quiet --forward < "$here/$p.patch"
 done
 # The sdist ships the C file Cython generated from the unpatched sources: remove it so the

@@ -164,7 +164,7 @@ class AnthropicParser:
     def __init__(self, provider: str = "anthropic", secrets: Secrets = None) -> None:
         self._provider = provider
         self._secrets = secrets
-        self._sse = SSEDecoder()
+        self._sse = SSEDecoder(provider)
         self.done = False
         self._blocks: dict[int, _Open] = {}
         self._usage = _Usage()

@@ -150,7 +150,7 @@ class GeminiParser:
     def __init__(self, provider: str = "gemini", secrets: Secrets = None) -> None:
         self._provider = provider
         self._secrets = secrets
-        self._sse = SSEDecoder()
+        self._sse = SSEDecoder(provider)
         self.done = False
         self._finished = False
         self._calls: list[ToolCall] = []

@@ -53,14 +53,15 @@ from olliefs.backend.base import (
     WireCache,
 )
 from olliefs.backend.openai import parse_base_url
-from olliefs.backend.stream import HTTPBackend, Secrets, decode_json, http_error
+from olliefs.backend.stream import MAX_EVENT, HTTPBackend, Secrets, decode_json, http_error
+from olliefs.errors import size_text
 
 STREAM_TYPES = ("application/vnd.amazon.eventstream",)
 API_URL = "https://codewhisperer.us-east-1.amazonaws.com"
 AUTH_URL = "https://prod.us-east-1.auth.desktop.kiro.dev/refreshToken"
 CONTEXT_LENGTH = 200000
 MODELS = ("claude-sonnet-4", "claude-sonnet-4.5", "claude-haiku-4.5", "claude-3.7-sonnet")
-MAX_FRAME = 16 * 1024 * 1024
+MAX_FRAME = MAX_EVENT  # refused at its prelude, before any of it is held
 _PRELUDE = struct.Struct(">III")
 _CRC = struct.Struct(">I")
 
@@ -123,7 +124,9 @@ class EventStreamDecoder:
             total, header_len, prelude_crc = _PRELUDE.unpack_from(buf, i)
             if zlib.crc32(view[i : i + 8]) != prelude_crc:
                 raise ValueError("prelude checksum mismatch")
-            if total > MAX_FRAME or total < 16 + header_len:
+            if total > MAX_FRAME:
+                raise ValueError(f"a frame of {total} bytes, longer than {size_text(MAX_FRAME)}")
+            if total < 16 + header_len:
                 raise ValueError(f"bad frame length {total}")
             if n - i < total:
                 need = total

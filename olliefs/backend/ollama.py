@@ -94,7 +94,7 @@ class OllamaParser:
     def __init__(self, provider: str = "ollama", secrets: Secrets = None) -> None:
         self._provider = provider
         self._secrets = secrets
-        self._lines = NDJSONSplitter()
+        self._lines = NDJSONSplitter(provider)
         self.done = False
         self._calls: list[ToolCall] = []
         self._response_id = ""

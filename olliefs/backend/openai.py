@@ -196,7 +196,7 @@ class OpenAIParser:
     def __init__(self, provider: str = "openai", secrets: Secrets = None) -> None:
         self._provider = provider
         self._secrets = secrets
-        self._sse = SSEDecoder()
+        self._sse = SSEDecoder(provider)
         self.done = False
         self._calls: dict[int, _PartialCall] = {}
         self._last_index = -1

@@ -45,8 +45,20 @@ from olliefs.backend.base import (
     TransientError,
 )
 from olliefs.backend.transport import LeanTransport, direct_body, transport_for
+from olliefs.errors import size_text
 
 MAX_MESSAGE_CHARS = 300
+
+MAX_EVENT = 16 * 1024 * 1024
+"""The most bytes of one line, SSE event or event stream frame a stream may send before
+its end: past it the turn ends with an error instead of buffering on. A reply streams as
+many small events, each a few hundred bytes; a server that sends one line and never ends
+it (a broken proxy, a hostile endpoint) took the daemon to 1.6 GB with 300 MB of it."""
+
+MAX_ERROR_BODY = 1024 * 1024
+"""The most bytes of a reply that is not a stream (an error) read: it becomes a message
+of one line (``MAX_MESSAGE_CHARS``), and each step to it (decode, search, join) copies
+what was read."""
 
 _OVERFLOW_MARKERS = (
     "context_length_exceeded",
@@ -82,6 +94,14 @@ _T = TypeVar("_T")
 # ---- framing -------------------------------------------------------------------------------
 
 
+def too_long(provider: str, limit: int) -> BadResponseError:
+    """The error for a line, event or frame that went past ``limit`` bytes unended."""
+    prefix = f"{provider}: " if provider else ""
+    return BadResponseError(
+        f"{prefix}a stream line or event longer than {size_text(limit)} (not read further)"
+    )
+
+
 class SSEMessage(msgspec.Struct, frozen=True, gc=False):
     """One dispatched server-sent event; ``id`` is the last id seen, as the SSE spec keeps it.
 
@@ -99,17 +119,23 @@ class LineSplitter:
     A CR at the end of a chunk is held back until the next chunk says whether an LF
     follows, so a CRLF cut in two is one line end, not two. Bytes are split before any
     decoding: ``str.splitlines`` would also break on U+2028 and friends, which JSON may
-    carry unescaped. A leading UTF-8 BOM is dropped.
+    carry unescaped. A leading UTF-8 BOM is dropped. A line longer than ``limit`` bytes
+    (`MAX_EVENT`) fails the stream (`too_long`) as soon as that much of it is held.
     """
 
-    __slots__ = ("_after_cr", "_parts", "_started")
+    __slots__ = ("_after_cr", "_held", "_limit", "_parts", "_provider", "_started")
 
-    def __init__(self) -> None:
+    def __init__(self, provider: str = "", limit: int = MAX_EVENT) -> None:
         self._parts: list[bytes] = []  # the current line, not terminated yet
+        self._held = 0  # bytes in _parts
+        self._limit = limit
+        self._provider = provider
         self._started = False
         self._after_cr = False  # the last chunk ended in CR: a leading LF completes a CRLF
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        if self._held > self._limit:
+            raise too_long(self._provider, self._limit)
         if not self._started:
             head = b"".join([*self._parts, chunk])
             if len(head) < 3 and b"\xef\xbb\xbf".startswith(head):
@@ -124,6 +150,9 @@ class LineSplitter:
         if b"\n" not in chunk and b"\r" not in chunk:
             if chunk:
                 self._parts.append(chunk)
+                self._held += len(chunk)
+                if self._held > self._limit:
+                    raise too_long(self._provider, self._limit)
             return []
         buf = b"".join(self._parts) + chunk if self._parts else chunk
         if b"\r" in buf:
@@ -132,12 +161,16 @@ class LineSplitter:
         lines = buf.split(b"\n")
         rest = lines.pop()
         self._parts = [rest] if rest else []
+        self._held = len(rest)  # past the limit: fails at the next feed or close
         return lines
 
     def close(self) -> list[bytes]:
         """The last line, if the stream ended without a line break after it."""
+        if self._held > self._limit:
+            raise too_long(self._provider, self._limit)
         rest = b"".join(self._parts)
         self._parts = []
+        self._held = 0
         if not self._started:
             rest = rest.removeprefix(b"\xef\xbb\xbf")
         return [rest] if rest else []
@@ -167,18 +200,41 @@ class SSEDecoder:
     ...``) are read without looking at lines one by one; anything else takes the general
     path. Line ends are normalized to LF first (CRLF and lone CR are line ends too); a CR
     at the end of a read is held back until the next read says whether an LF follows.
-    What follows the last blank line waits, unread, for more bytes.
+    What follows the last blank line waits, unread, for more bytes; once more than
+    ``limit`` bytes (`MAX_EVENT`) of one event wait so, the stream fails (`too_long`).
     """
 
-    __slots__ = ("_id", "_names", "_parts", "_started")
+    __slots__ = ("_held", "_id", "_limit", "_names", "_parts", "_provider", "_started")
 
-    def __init__(self) -> None:
+    def __init__(self, provider: str = "", limit: int = MAX_EVENT) -> None:
         self._parts: list[bytes] = []  # bytes after the last blank line, not read yet
+        self._held = 0  # bytes in _parts
+        self._limit = limit
+        self._provider = provider
         self._id = ""
         self._started = False
         self._names: dict[bytes, str] = {}  # event names seen, decoded once
 
+    def _no_end(self, chunk: bytes) -> bool:
+        """No event can end in ``chunk``, read after what is held: no blank line in it,
+        nor one that a line end held from the last read starts."""
+        parts = self._parts
+        return not (
+            b"\n\n" in chunk
+            or b"\r" in chunk
+            or (parts and (parts[-1][-1:] == b"\r" or (parts[-1][-1:] == b"\n" == chunk[:1])))
+        )
+
+    def _keep(self, rest: bytes) -> None:
+        """Hold ``rest`` (the bytes after the last event that ended) and nothing else.
+        Past the limit, the stream fails at the next feed or close: the events this read
+        ended go out first (``rest`` is at most the limit and one read)."""
+        self._parts = [rest] if rest else []
+        self._held = len(rest)
+
     def feed(self, chunk: bytes) -> list[SSEMessage]:
+        if self._held > self._limit:
+            raise too_long(self._provider, self._limit)
         if not self._started:
             head = b"".join([*self._parts, chunk])
             if len(head) < 3 and b"\xef\xbb\xbf".startswith(head):
@@ -189,12 +245,11 @@ class SSEDecoder:
         if not chunk:
             return []
         parts = self._parts
-        if (
-            b"\n\n" not in chunk
-            and b"\r" not in chunk
-            and not (parts and (parts[-1][-1:] == b"\r" or (parts[-1][-1:] == b"\n" == chunk[:1])))
-        ):
-            parts.append(chunk)  # no event ends in here: keep it for later
+        if (b"\n" not in chunk and b"\r" not in chunk) or self._no_end(chunk):
+            parts.append(chunk)  # no event ends in here: kept for later (inline: most
+            self._held += len(chunk)  # reads of a slow stream end no event)
+            if self._held > self._limit:
+                raise too_long(self._provider, self._limit)
             return []
         buf = b"".join([*parts, chunk]) if parts else chunk
         held = False
@@ -212,7 +267,7 @@ class SSEDecoder:
         rest = blocks.pop()
         if held:
             rest += b"\r"
-        self._parts = [rest] if rest else []
+        self._keep(rest)
         out: list[SSEMessage] = []
         append, last_id, names = out.append, self._id, self._names
         for block in blocks:
@@ -255,10 +310,15 @@ class SSEDecoder:
         """
         if not self._started:
             return None
+        if self._held > self._limit:
+            raise too_long(self._provider, self._limit)
         parts = self._parts
-        if b"\n" not in chunk and b"\r" not in chunk:
-            if chunk:  # no event can end in here: kept, not joined (a long one)
+        if (b"\n" not in chunk and b"\r" not in chunk) or self._no_end(chunk):
+            if chunk:  # kept, not joined: a long event (or line) comes in many reads
                 parts.append(chunk)
+                self._held += len(chunk)
+                if self._held > self._limit:
+                    raise too_long(self._provider, self._limit)
             return _NO_EVENTS
         buf = b"".join([*parts, chunk]) if parts else chunk
         if b"\r" in buf or buf[:6] != b"data: ":
@@ -269,18 +329,18 @@ class SSEDecoder:
                 return None
             if not payloads:
                 return _NO_EVENTS
-            head = buf[: len(buf) - sum(map(len, self._parts))]
+            head = buf[: len(buf) - self._held]
             return b"[%b]" % b",".join(payloads), head, len(payloads)
         end = buf.rfind(b"\n\n") + 2
         if end == 1:  # no blank line yet
-            self._parts = [buf]
+            self._keep(buf)
             return _NO_EVENTS
         head = buf[:end] if end < len(buf) else buf
         payloads = head[6:-2].split(b"\n\ndata: ")
         array = b"[%b]" % b",".join(payloads)
         if b"\n" in array:
             return None  # a line that is not data:, a longer event, or a third line end
-        self._parts = [buf[end:]] if end < len(buf) else []
+        self._keep(buf[end:])
         return array, head, len(payloads)
 
     @property
@@ -303,12 +363,15 @@ class SSEDecoder:
                 return None
             out.append(buf[pos + 6 : nl])
             pos = nl + 2
-        self._parts = [buf[pos:]] if pos < end else []
+        self._keep(buf[pos:])
         return out
 
     def close(self) -> list[SSEMessage]:
+        if self._held > self._limit:
+            raise too_long(self._provider, self._limit)
         rest = b"".join(self._parts)
         self._parts = []
+        self._held = 0
         if not self._started:
             rest = rest.removeprefix(b"\xef\xbb\xbf")
         out: list[SSEMessage] = []
@@ -347,8 +410,8 @@ class NDJSONSplitter:
 
     __slots__ = ("_lines",)
 
-    def __init__(self) -> None:
-        self._lines = LineSplitter()
+    def __init__(self, provider: str = "", limit: int = MAX_EVENT) -> None:
+        self._lines = LineSplitter(provider, limit)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         return [line for line in self._lines.feed(chunk) if line.strip()]
@@ -605,6 +668,20 @@ async def open_body(response: httpx.Response) -> AsyncIterator[AsyncIterator[byt
                     pass
 
 
+async def read_capped(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """A body that is not a stream (an error), read whole up to ``limit`` bytes: what
+    follows is not read (the connection is then dropped, not pooled). It only ever
+    becomes a one-line message."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)[:limit]
+
+
 def content_type(response: httpx.Response) -> str:
     value: str = response.headers.get("content-type", "")
     return value.split(";")[0].strip().lower()
@@ -745,7 +822,7 @@ class HTTPBackend:
         async with open_body(response) as chunks:
             if not response.is_success or content_type(response) not in stream_types:
                 with self._errors():
-                    body = b"".join([chunk async for chunk in chunks])
+                    body = await read_capped(chunks, MAX_ERROR_BODY)
                 if not response.is_success:
                     raise self._error(response.status_code, body, response.headers)
                 raise self._stream_error(response, body) or self._bad(

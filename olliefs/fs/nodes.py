@@ -8,10 +8,12 @@ Kinds:
 
 * ``Text``     read-only synthetic text, snapshotted at open (a read sees one version);
 * ``Script``   like ``Text`` but executable (``tail``);
-* ``Control``  written one request per ``write(2)``, applied before write returns; may be
+* ``Control``  written one request per ``write(2)`` (at most ``MAX_CONTROL_WRITE`` bytes,
+               what the kernel passes in one piece), applied before write returns; may be
                readable (``cfg``, ``s/new``), and may answer the request on the same handle
                (``s/new`` reads back the id it created, the Plan 9 clone-file way);
-* ``PromptIn`` text collected per handle, submitted at flush (close);
+* ``PromptIn`` text collected per handle, submitted at flush (close); at most ``limit``
+               bytes (``Cap``: past it, nothing of the text is taken);
 * ``LogFile``  a ``GrowingLog``: ``chat`` (EOF at the end) or, blocking, ``stream`` and
                ``events`` (a read at the end waits for more);
 * ``StateWait`` one value per open: blocks until the state differs from the one at open.
@@ -39,8 +41,10 @@ from olliefs.errors import (
     InvalidRequest,
     NotFound,
     NotPermitted,
+    TooLarge,
     TooMany,
     WouldBlock,
+    size_text,
 )
 from olliefs.fs import interrupt
 from olliefs.live import GrowingLog, StateCell
@@ -51,6 +55,18 @@ STARTED = time.time()  # the mtime of what never changes while the daemon runs
 # (a ``Watchable`` source) or that never changes: the frontend invalidates the kernel's
 # copy at the change, so the figure only bounds the damage of a change left unannounced.
 CACHED_TTL = 1.0
+
+MAX_CONTROL_WRITE = (1 << 20) - os.sysconf("SC_PAGE_SIZE")
+"""The longest control write (``s/new``, ``ctl``, ``cfg``) taken: the longest write(2)
+the kernel always passes in one FUSE request (1,044,480 bytes with 4 KiB pages). A
+request carries at most 1 MiB (libfuse's max_write) less the offset of the writer's
+buffer in its page, so a longer write(2) comes in pieces at increasing offsets, the first
+one longer than this. Refusing that one fails the whole write(2) with nothing applied;
+applying the pieces one by one applied 95,322 of 100,000 ``maxsteps 8`` lines before the
+``bogus`` one in the second piece was refused."""
+
+MAX_TEXT = 1 << 20
+"""The longest ``plan`` (and other small texts written whole, applied at close)."""
 
 
 class Watchable(Protocol):
@@ -204,6 +220,39 @@ class Handle:
         pass
 
 
+class Cap:
+    """The limit of a text written in pieces and taken whole at close (a prompt, a plan,
+    a profile). The write that passes ``limit`` bytes fails with EFBIG and the reason
+    goes to ``refused``; from then on every write and the close fail too, so nothing of
+    the text is taken (the part before the limit included), until ``ftruncate(fd, 0)``
+    starts a new one (``reset``)."""
+
+    __slots__ = ("limit", "outcome", "over", "refused", "what")
+
+    def __init__(self, what: str, limit: int, refused: Callable[[str], None], outcome: str) -> None:
+        self.what = what
+        self.limit = limit
+        self.refused = refused
+        self.outcome = outcome
+        self.over = False
+
+    def error(self) -> TooLarge:
+        return TooLarge(f"{self.what}: longer than {size_text(self.limit)} ({self.outcome})")
+
+    def check(self, size: int) -> None:
+        """The text is to be ``size`` bytes long."""
+        if self.over:
+            raise self.error()
+        if size > self.limit:
+            self.over = True
+            err = self.error()
+            self.refused(str(err))
+            raise err
+
+    def reset(self) -> None:
+        self.over = False
+
+
 class File(Node):
     direct_io = True
 
@@ -221,6 +270,14 @@ class File(Node):
     async def truncate(self, size: int, pid: int = 0) -> None:
         """``truncate(2)`` by path on a writable file (by the process ``pid``): nothing to
         cut in a control file."""
+
+    async def set_times(self, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """A read-only file's times are its content's (``chat``'s last append, ...):
+        EPERM, as on a disk for a file one may not write. A writable synthetic file
+        (``ctl``, ``prompt``, ``cfg``) has none to set: ignored, like a chown to its
+        owner."""
+        if not self.writable:
+            raise NotPermitted("the times of a read-only file are fixed")
 
 
 class Dir(Node):
@@ -346,19 +403,30 @@ class ControlHandle(Handle):
         return self.answer[pos : pos + size]
 
     async def write(self, off: int, data: bytes) -> int:
+        if len(data) > MAX_CONTROL_WRITE:
+            # Maybe the first piece of a longer write(2): refused, the write(2) fails whole.
+            reason = (
+                f"{self.node.name}: a write longer than {MAX_CONTROL_WRITE} bytes"
+                " (refused whole, nothing of it applied)"
+            )
+            self._refused(reason)
+            raise TooLarge(reason)
         try:
             text = data.decode()
         except UnicodeDecodeError:
-            # Refused before the request reaches its owner: say why here, so that err
-            # (and chat) has the reason as for every other refused request.
-            if self.node.refused is not None:
-                self.node.refused(f"{self.node.name}: not valid UTF-8")
+            self._refused(f"{self.node.name}: not valid UTF-8")
             raise InvalidRequest("not valid UTF-8") from None
         reply = await self.node.apply(text, self.caller)
         if reply is not None:
             self.answer = reply.encode()
             self.base = off + len(data)
         return len(data)
+
+    def _refused(self, reason: str) -> None:
+        # Refused before the request reaches its owner: say why here, so that err (and
+        # chat) has the reason as for every other refused request.
+        if self.node.refused is not None:
+            self.node.refused(reason)
 
 
 @dataclass(eq=False)
@@ -409,6 +477,9 @@ class PromptHandle(Handle):
     prompt refused: bytes that can never be UTF-8 fail that write with EINVAL and are
     not kept; a sequence cut at the end of a write may be completed by the next one.
     ``ftruncate`` cuts the text not yet submitted (``ftruncate(fd, 0)`` discards it).
+    A prompt longer than ``limit`` bytes fails the write that passes the limit with
+    EFBIG; the text is dropped, every later write fails too, and so does the close,
+    which submits nothing (until ``ftruncate(fd, 0)`` starts a new prompt).
     """
 
     waits = False
@@ -417,14 +488,21 @@ class PromptHandle(Handle):
         self,
         submit: Callable[[str, Caller], Awaitable[None]],
         refused: Callable[[str], None],
+        limit: int,
         caller: Caller,
     ) -> None:
         self.submit = submit
         self.refused = refused
+        self.cap = Cap("prompt", limit, refused, "not submitted")
         self.caller = caller
         self.buf = bytearray()
 
     async def write(self, off: int, data: bytes) -> int:
+        try:
+            self.cap.check(len(self.buf) + len(data))
+        except TooLarge:
+            self.buf = bytearray()
+            raise
         try:
             _utf8_prefix(bytes(self.buf) + data)
         except UnicodeDecodeError:
@@ -435,8 +513,12 @@ class PromptHandle(Handle):
 
     def truncate(self, size: int) -> None:
         del self.buf[size:]
+        if size == 0:
+            self.cap.reset()
 
     async def flush(self) -> None:
+        if self.cap.over:
+            raise self.cap.error()
         if not self.buf:
             return
         data, self.buf = bytes(self.buf), bytearray()
@@ -458,6 +540,7 @@ class PromptIn(File):
     key: Hashable
     submit: Callable[[str, Caller], Awaitable[None]]
     refused: Callable[[str], None]
+    limit: int  # the longest prompt, in bytes (the runtime's MAX_PROMPT)
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
     attr_ttl = CACHED_TTL  # always empty, never changes
@@ -466,7 +549,7 @@ class PromptIn(File):
         return self.live()
 
     def open(self, how: Open) -> Handle:
-        return PromptHandle(self.submit, self.refused, Caller(how.pid))
+        return PromptHandle(self.submit, self.refused, self.limit, Caller(how.pid))
 
 
 # ---- a file written whole ------------------------------------------------------------
@@ -485,6 +568,7 @@ class CollectedHandle(Handle):
         self.append = append
         self.buf = bytearray(b"" if trunc else node.render().encode())
         self.dirty = trunc  # as on a disk, ``: > plan`` empties it even with no write
+        self.cap = Cap(str(node.key[-1]), MAX_TEXT, node.refused, "not saved")
 
     async def read(self, off: int, size: int) -> bytes:
         return bytes(self.buf[off : off + size])
@@ -492,6 +576,7 @@ class CollectedHandle(Handle):
     async def write(self, off: int, data: bytes) -> int:
         if self.append:
             off = len(self.buf)
+        self.cap.check(off + len(data))
         if off > len(self.buf):
             self.buf += b"\0" * (off - len(self.buf))
         self.buf[off : off + len(data)] = data
@@ -500,11 +585,16 @@ class CollectedHandle(Handle):
 
     def truncate(self, size: int) -> None:
         # As on a disk: ftruncate cuts, or extends with NUL bytes.
+        if size == 0:
+            self.cap.reset()
+        self.cap.check(size)
         del self.buf[size:]
         self.buf += b"\0" * (size - len(self.buf))
         self.dirty = True
 
     async def flush(self) -> None:
+        if self.cap.over:
+            raise self.cap.error()
         if not self.dirty:
             return
         try:

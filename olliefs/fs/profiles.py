@@ -3,8 +3,9 @@
 The user's ``config/agents/<name>.json`` lies over the shipped profiles: a file of the
 same name wins. A write is checked as it comes (``ProfileChecker``): one after which the
 document is certainly invalid fails with EINVAL; a document still incomplete, or
-invalid once complete, fails the close with EINVAL. Either way the file on disk is not
-touched and the previous version stays in force; the reason goes to the root ``err``
+invalid once complete, fails the close with EINVAL; one longer than MAX_PROFILE_BYTES
+fails the write that passes it, and the close, with EFBIG. Either way the file on disk
+is not touched and the previous version stays in force; the reason goes to the root ``err``
 and ``events``. A valid document replaces the user's file atomically (write, fsync,
 rename). Removing a user's profile shows the shipped one of that name again; a shipped
 profile itself cannot be removed.
@@ -26,7 +27,7 @@ from olliefs.agent.profile import (
     check_name,
 )
 from olliefs.errors import Denied, InvalidRequest, NotFound, disk_error
-from olliefs.fs.nodes import Dir, File, Handle, Node, Open
+from olliefs.fs.nodes import Cap, Dir, File, Handle, Node, Open
 
 
 def refuse_sandboxed(how: Open, refused: Callable[[str], None]) -> None:
@@ -57,13 +58,15 @@ class ProfileHandle(Handle):
         self.dirty = False
         self.refused = refused
         self.checker: ProfileChecker | None = ProfileChecker() if not initial else None
+        self.cap = Cap(f"a/{node.name}.json", MAX_PROFILE_BYTES, refused, "not saved")
 
     async def read(self, off: int, size: int) -> bytes:
         return bytes(self.buf[off : off + size])
 
     async def write(self, off: int, data: bytes) -> int:
-        if off + len(data) > MAX_PROFILE_BYTES:
-            self._refuse(f"a/{self.node.name}.json: larger than {MAX_PROFILE_BYTES} bytes")
+        # Past the limit (EFBIG) nothing of this document is saved, not even the part
+        # that came before: the kernel splits a long write(2) and passes its pieces here.
+        self.cap.check(off + len(data))
         sequential = off == len(self.buf) and self.checker is not None
         new = bytearray(self.buf)
         if off > len(new):
@@ -83,6 +86,9 @@ class ProfileHandle(Handle):
     def truncate(self, size: int) -> None:
         # Cut, or extend as a write past the end does: with spaces, which JSON allows
         # between tokens, where a disk would put NUL bytes no document can hold.
+        if size == 0:
+            self.cap.reset()
+        self.cap.check(size)
         del self.buf[size:]
         self.buf += b" " * (size - len(self.buf))
         self.checker = ProfileChecker() if size == 0 else None
@@ -93,6 +99,8 @@ class ProfileHandle(Handle):
         raise InvalidRequest(reason)
 
     async def flush(self) -> None:
+        if self.cap.over:
+            raise self.cap.error()
         if not self.dirty:
             return
         self.dirty = False

@@ -37,7 +37,7 @@ from olliefs.fs.nodes import (
 from olliefs.fs.profiles import ProfilesDir
 from olliefs.session.commands import help_text
 from olliefs.session.registry import CATALOGUE_MAX_AGE, NEW_TEMPLATE, Registry
-from olliefs.session.session import Session
+from olliefs.session.session import MAX_PROMPT, Session
 from olliefs.settings import shipped_dir
 
 HELP = """\
@@ -75,8 +75,8 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         return Text(("s", u, name), render, live, refresh, stamp(name))
 
     return {
-        "prompt": PromptIn(("s", u, "prompt"), s.submit, s.refused, live=live),
-        "fifo.in": PromptIn(("s", u, "fifo.in"), s.submit, s.refused, live=live),
+        "prompt": PromptIn(("s", u, "prompt"), s.submit, s.refused, MAX_PROMPT, live=live),
+        "fifo.in": PromptIn(("s", u, "fifo.in"), s.submit, s.refused, MAX_PROMPT, live=live),
         "fifo.out": FifoOut(("s", u, "fifo.out"), s.pop_queued, s.queued.park, lambda: s.closed),
         "plan": Collected(
             ("s", u, "plan"), s.set_plan, lambda: s.plan, s.refused, live, stamp("plan")
@@ -139,6 +139,7 @@ class PeerDir(Dir):
 
     def _file(self, other: Session) -> Node:
         sender = self.s
+        prefix = f"[from {sender.id}] "
 
         async def send(text: str, caller: Caller) -> None:
             if not text.strip():
@@ -146,14 +147,16 @@ class PeerDir(Dir):
             if other.closed:
                 raise NotFound(f"peer {other.id} is gone")
             try:
-                await other.submit(f"[from {sender.id}] {text.strip()}", caller)
+                await other.submit(prefix + text.strip(), caller)
             except DiskError as err:  # the writer is told too, where it looks
                 sender.refused(f"peer {other.id}: {err}")
                 raise
 
         # A refused write is the writer's: its reason goes to this session's err (and
-        # chat), where the writer looks, not to the peer, which was never reached.
-        return PromptIn(("s", self.s.uid, "peer", other.uid), send, sender.refused)
+        # chat), where the writer looks, not to the peer, which was never reached (the
+        # limit leaves room for the prefix, so the peer never refuses it for its size).
+        limit = MAX_PROMPT - len(prefix.encode())
+        return PromptIn(("s", self.s.uid, "peer", other.uid), send, sender.refused, limit)
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         return [(o.id, self._file(o)) for o in self.reg.family(self.s)]

@@ -92,6 +92,11 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
     ``ping`` event).
 ``no_final_newline``
     End the last event without its trailing blank line (or newline).
+``flood``
+    Start one payload (an SSE ``data:`` line, an NDJSON line, an event stream frame that
+    announces this size; with ``status``, a JSON error body) and send this many bytes of
+    it, never ending it, then end the body; the bytes are made as they go out, and the
+    sending stops when the client hangs up (a server that never ends its line).
 
 Faults that act on the bytes of any answer, whatever its shape (fault tests and
 ``bench/bench_faults.py`` use them):
@@ -187,6 +192,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     garbage: str | None = None
     keepalive: bool = False
     no_final_newline: bool = False
+    flood: Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)] | None = None
     for_model: str | None = None
     headers: dict[str, str] = {}
     cut_after: Count | None = None

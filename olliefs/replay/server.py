@@ -408,6 +408,8 @@ class _Handler(BaseHTTPRequestHandler):
             if value is not None
         ]
         headers += entry.headers.items()
+        if entry.flood is not None:
+            return self._flood(wire, entry, headers)
         if entry.raw is not None:
             return self._raw(wire, entry, headers)
         if entry.body is not None:
@@ -475,6 +477,26 @@ class _Handler(BaseHTTPRequestHandler):
         if entry.drop_after is not None:
             return self._drop()
         self._end(wire, entry, [f.data for f in plan.tail])
+
+    def _flood(self, wire: Wire, entry: Entry, headers: list[tuple[str, str]]) -> None:
+        """One payload that never ends (a stream's, or an error body's with ``status``):
+        ``flood`` bytes of it, made as they go out, until the client hangs up (which is
+        what it should do)."""
+        size = entry.flood or 0
+        piece = b"x" * min(size, 1 << 20)
+        try:
+            if entry.status == 200:
+                self._start_stream(wire.content_type, headers)
+                head = wire.flood_head(size)
+            else:
+                self._start_stream("application/json", headers, entry.status)
+                head = b'{"error": {"message": "'
+            self._chunk(head)
+            for sent in range(0, size, len(piece)):
+                self._chunk(piece[: size - sent])
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client hung up
+            self.close_connection = True
 
     def _end(self, wire: Wire, entry: Entry, frames: list[bytes]) -> None:
         """The last frames and the end of the body (the zero-length HTTP chunk)."""

@@ -48,7 +48,15 @@ from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink
 from olliefs.backend.base import BackendError, Message, Usage
 from olliefs.caller import USER, Caller
-from olliefs.errors import Busy, Denied, DiskError, InvalidRequest, short_reason
+from olliefs.errors import (
+    Busy,
+    Denied,
+    DiskError,
+    InvalidRequest,
+    TooLarge,
+    short_reason,
+    size_text,
+)
 from olliefs.live import GrowingLog, StateCell
 from olliefs.memory import give_back
 from olliefs.session import commands, persist
@@ -62,6 +70,11 @@ log = logging.getLogger(__name__)
 MEND_FIRST = 1.0  # seconds before a session tries again to write what its journal owes
 MEND_MAX = 30.0  # ... doubling up to this
 WAIT = "wait until the journal is written again"
+MAX_PROMPT = 4 * 1024 * 1024
+"""The longest prompt taken, in bytes of UTF-8. A pasted file fits, and so does anything
+a model can read (the largest contexts, a million tokens, are about 4 MB of text); a
+longer one is refused whole (EFBIG) instead of being journaled, shown and sent to the
+provider as is."""
 
 
 class SessionHost(Protocol):
@@ -369,6 +382,11 @@ class Session:
         text = text.strip()
         if not text or self.closed:
             return
+        # UTF-8 takes at most 4 bytes a character: only a long text needs encoding here.
+        if len(text) > MAX_PROMPT // 4 and len(text.encode()) > MAX_PROMPT:
+            reason = f"prompt: longer than {size_text(MAX_PROMPT)} (not submitted)"
+            self.refused(reason)
+            raise TooLarge(reason)
         if text.startswith("/"):
             await self.ctl(text[1:], caller)
             return

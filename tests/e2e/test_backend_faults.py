@@ -38,6 +38,7 @@ import pytest
 
 from olliefs.replay import Entry, ReplayServer
 from olliefs.testing import HAVE_FUSE, Daemon, deadline
+from tests.e2e.test_memory import rss
 from tests.e2e.test_replay_server import USER, dechunk, raw_post, read_all, read_until
 
 KEY = "sk-faults-0123456789"
@@ -394,6 +395,48 @@ def test_state_answers_while_the_backend_hangs_and_stop_ends_it(
     for sid in sids:
         daemon.wait_idle(sid)
         assert_echoed(daemon.read(f"s/{sid}/chat"), "after the hang")
+
+
+# ---- a line that never ends ------------------------------------------------------------
+
+MB = 1024 * 1024
+FLOOD = 256 * MB
+
+
+@pytest.mark.parametrize("status", [200, 400])
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_line_that_never_ends_ends_the_turn_with_the_memory_bounded(
+    tmp_path: Path, wire: str, status: int
+) -> None:
+    """A server that starts a payload and never ends it (256 MiB of one SSE line, NDJSON
+    line or event stream frame; or of an error body): the turn ends with one ``error:``
+    line once 16 MiB of it came, not retried, and the daemon never held much more than
+    that (it held all of it, several times over: 300 MB took it to 1.6 GB)."""
+    if not HAVE_FUSE:
+        pytest.skip(reason="needs /dev/fuse (mounts for real)")
+    with ReplayServer(key=KEY) as server:
+        daemon = keyed_daemon(tmp_path, server)
+        with daemon.running():
+            sid = daemon.new(name="flood", backend=wire, model="flood")
+            daemon.prompt(sid, "warm up")
+            daemon.wait_idle(sid)
+            before = rss(daemon)
+            server.add([Entry(flood=FLOOD, status=status)])
+            daemon.prompt(sid, "go")
+            daemon.wait_idle(sid)
+            peak = rss(daemon, "VmHWM")
+            assert peak - before < 96 * MB, f"the daemon's peak grew {(peak - before) / MB} MB"
+            chat = daemon.read(f"s/{sid}/chat")
+            turn = chat.split("user: go\n", 1)[1].splitlines()
+            assert len(turn) == 1 and turn[0].startswith(f"error: {wire}: "), chat
+            if status == 200:
+                assert "longer than 16 MiB" in turn[0], chat
+            else:
+                assert turn[0].startswith(f"error: {wire}: HTTP 400: "), chat
+            assert requests_of(server, "flood") == 2  # the warm-up and one, not retried
+            daemon.prompt(sid, "after the flood")
+            daemon.wait_idle(sid)
+            assert_echoed(daemon.read(f"s/{sid}/chat"), "after the flood")
 
 
 # ---- the replay server's fault fields, seen on the wire ---------------------------------

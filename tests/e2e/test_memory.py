@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from olliefs.replay import Entry
-from olliefs.testing import Daemon
+from olliefs.testing import Daemon, deadline
+from tests.fs.test_blocking import wait_blocked
 
+KB = 1024
 MB = 1024 * 1024
 
 
-def rss(daemon: Daemon) -> int:
+def rss(daemon: Daemon, what: str = "VmRSS") -> int:
+    """The daemon's resident set in bytes (``VmHWM``: its peak so far)."""
     assert daemon.proc is not None
     with open(f"/proc/{daemon.proc.pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{what}:"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {what}")
 
 
 def churn(daemon: Daemon, n: int) -> None:
@@ -78,3 +85,78 @@ def test_a_large_reply_is_not_kept_in_memory_many_times(daemon: Daemon) -> None:
     daemon.wait_for(lambda: not any((daemon.home / "state" / "logs").glob("*.chat")))
     left = rss(daemon) - before
     assert left < 0.5 * size, f"{left / MB:.1f} MB still held after the session was removed"
+
+
+# Threads that each open the file and read it to EOF (a read at the end blocks).
+READERS = """
+import os, sys, threading
+threading.stack_size(1 << 18)
+path, n = sys.argv[1], int(sys.argv[2])
+def reader():
+    fd = os.open(path, os.O_RDONLY)
+    while os.read(fd, 65536):
+        pass
+threads = [threading.Thread(target=reader) for _ in range(n)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+def wait_readers_at(proc: subprocess.Popen[bytes], path: Path, n: int, offset: int) -> None:
+    """Wait until ``n`` descriptors of ``proc`` on ``path`` have read up to ``offset``
+    and ``n`` of its threads wait in a FUSE read: every reader took what there was and
+    waits for more."""
+    fds = f"/proc/{proc.pid}/fd"
+
+    def at_offset() -> int:
+        count = 0
+        for fd in os.listdir(fds):
+            try:
+                if os.readlink(f"{fds}/{fd}") != str(path):
+                    continue
+                with open(f"/proc/{proc.pid}/fdinfo/{fd}") as f:
+                    count += int(f.readline().split()[1]) == offset
+            except OSError:
+                pass  # closed meanwhile
+        return count
+
+    with deadline(60):
+        while at_offset() < n:
+            assert proc.poll() is None, "the readers exited"
+            time.sleep(0.01)
+    wait_blocked(proc.pid, n)
+
+
+def test_blocked_readers_cost_kilobytes_and_leave_them_for_the_next(daemon: Daemon) -> None:
+    """A read blocked at the end of ``stream`` holds a few KiB of the daemon (its task and
+    frames), not the ~1 MiB receive buffer of the FUSE worker serving it, and what
+    readers held is used again by the next ones, not taken anew. The readers are woken
+    once and wait again before the measure: it was the second wait of each that cost
+    ~1 MiB (the first buffers come fresh from mmap, later ones from the heap, whose
+    pages are transparent huge pages)."""
+    n = 500
+    held = []
+    for wave in range(2):
+        sid = daemon.new(name=f"wave{wave}")
+        daemon.prompt(sid, "warm up")
+        daemon.wait_idle(sid)
+        before = rss(daemon)
+        path = daemon.p(f"s/{sid}/stream")
+        proc = subprocess.Popen([sys.executable, "-c", READERS, str(path), str(n)])
+        try:
+            wait_readers_at(proc, path, n, len(daemon.read(f"s/{sid}/chat").encode()))
+            daemon.prompt(sid, "wake them all")
+            daemon.wait_idle(sid)
+            wait_readers_at(proc, path, n, len(daemon.read(f"s/{sid}/chat").encode()))
+            held.append(rss(daemon) - before)
+            daemon.write(f"s/{sid}/ctl", "kill")  # EOF for every reader
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+    first, second = held
+    assert first < n * 64 * KB, f"{first / n / KB:.0f} KiB per blocked reader"
+    # the first wave's memory went back to the allocator, and the second wave took it
+    assert second < n * 4 * KB, f"a second wave took {second / n / KB:.1f} KiB per reader more"

@@ -6,6 +6,9 @@ import errno
 import json
 import os
 
+import pytest
+
+from olliefs.agent.profile import MAX_PROFILE_BYTES
 from olliefs.testing import Daemon
 from tests.conftest import oserror, script
 
@@ -130,3 +133,28 @@ def test_s_new_with_an_agent_starts_it_as_ctl_agent_does(daemon: Daemon) -> None
     plain = daemon.new(name="plain")
     daemon.wait_idle(plain)
     assert daemon.read(f"s/{plain}/context") == ""
+
+
+def test_a_profile_over_the_limit_is_refused_and_nothing_of_it_saved(daemon: Daemon) -> None:
+    """Past MAX_PROFILE_BYTES the write that passes it fails with EFBIG, and so does the
+    close: nothing is saved, not even a document complete before the limit (the part
+    the kernel passed first, of one long write(2), was saved)."""
+    put(daemon, "a/mine.json", json.dumps(MINE))
+    other = json.dumps({**MINE, "maxSteps": 3})
+    for doc in (
+        '{"prompt": "' + "x" * MAX_PROFILE_BYTES + '"}',
+        other + " " * MAX_PROFILE_BYTES,  # valid, then spaces past the limit
+    ):
+        # one write(2), as cp and the shell's > make it
+        with pytest.raises(OSError) as err, open(daemon.p("a/mine.json"), "w") as f:
+            f.write(doc)
+        assert err.value.errno == errno.EFBIG
+        # in pieces, as an editor saves: every write after the limit fails, the close too
+        fd = os.open(daemon.p("a/mine.json"), os.O_WRONLY | os.O_TRUNC)
+        data = doc.encode()
+        errs = [oserror(os.write, fd, data[i : i + 65536]) for i in range(0, len(data), 65536)]
+        assert errs == [0] * (MAX_PROFILE_BYTES // 65536) + [errno.EFBIG]
+        assert oserror(os.write, fd, b" ") == errno.EFBIG
+        assert oserror(os.close, fd) == errno.EFBIG
+        assert json.loads(daemon.read("a/mine.json")) == MINE
+    assert daemon.read("err") == "a/mine.json: longer than 1 MiB (not saved)\n"

@@ -9,6 +9,7 @@ nothing else can end that read: no data arrives, only the interrupt can free it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import signal
@@ -26,6 +27,8 @@ from tests.conftest import Daemon, deadline, script
 # System call numbers of read(2), readv, pread64, preadv per machine; elsewhere only the
 # wchan is looked at.
 READS = {"x86_64": {0, 17, 19, 295}, "aarch64": {63, 65, 67, 69}}.get(platform.machine())
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine(), 234)
+libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _proc(path: str) -> str:
@@ -268,6 +271,58 @@ def test_threads_of_a_reader_are_released(daemon: Daemon, sig: int) -> None:
         os.killpg(proc.pid, sig)
         assert proc.wait(timeout=20) == -sig
     finally:
+        end(daemon, proc)
+
+
+# One thread (not the main one) reads with read(2) itself, as C code does: Python's own
+# reads retry after EINTR (PEP 475), and only the main thread runs Python's handlers, so
+# a Python read in a thread goes on after the daemon ended it. The main thread waits for
+# a line on stdin, then sends the signal itself when the line says "self".
+THREAD_READER = """
+import ctypes, os, signal, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+caught = []
+signal.signal(signal.SIGUSR1, lambda *_: caught.append(1))
+fd = os.open(sys.argv[1], os.O_RDONLY)
+buf = ctypes.create_string_buffer(1 << 20)
+def reader():
+    while (n := libc.read(fd, buf, 1 << 20)) > 0:
+        pass
+    print("read:", os.strerror(ctypes.get_errno()) if n < 0 else "EOF", flush=True)
+t = threading.Thread(target=reader)
+t.start()
+if sys.stdin.readline().strip() == "self":
+    signal.pthread_kill(t.ident, signal.SIGUSR1)
+t.join()
+print("caught", len(caught), flush=True)
+"""
+
+
+@pytest.mark.parametrize("sender", ["tgkill", "self"])
+def test_a_handled_signal_sent_to_a_reading_thread_ends_its_read(
+    daemon: Daemon, sender: str
+) -> None:
+    """A signal with a handler, aimed at the one thread (not the main one) that is blocked
+    in the read (tgkill from outside, or pthread_kill from the process's main thread):
+    that read fails with EINTR at once, and the handler runs."""
+    daemon.new(name="thr")
+    argv = [sys.executable, "-c", THREAD_READER, str(daemon.p("s/thr/stream"))]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=0)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        wait_blocked(proc.pid, 1)
+        (tid,) = blocked([proc.pid])
+        assert tid != proc.pid  # the reader is not the main thread
+        if sender == "tgkill":
+            assert libc.syscall(SYS_TGKILL, proc.pid, tid, signal.SIGUSR1) == 0
+        proc.stdin.write(f"{sender}\n".encode())
+        proc.stdin.flush()
+        with deadline(20):
+            assert proc.stdout.readline() == b"read: Interrupted system call\n"
+            assert proc.stdout.readline() == b"caught 1\n"
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.stdin.close()
         end(daemon, proc)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import subprocess
 import tarfile
 import time
@@ -129,3 +130,30 @@ def test_fifo_out_takes_a_queued_prompt(daemon: Daemon) -> None:
     daemon.write(f"s/{sid}/ctl", "stop")
     daemon.wait_idle(sid)
     assert len(daemon.replay.requests) == 1  # the taken prompt never ran
+
+
+def test_utimes_of_a_read_only_file_is_refused(daemon: Daemon) -> None:
+    """As ollie(5) says: chmod and utimes of a read-only or generated file fail with
+    EPERM (``utime`` on chat used to succeed and change nothing). Every read-only file
+    of the root, of a session that ran a turn and of t/ is tried; the writable synthetic
+    files have no times of their own and take a touch as a no-op."""
+    sid = daemon.new(name="ut")
+    daemon.prompt(sid, "hello")
+    daemon.wait_idle(sid)
+    files = [f"s/{sid}/{name}" for name in os.listdir(daemon.p(f"s/{sid}"))]
+    files += [*os.listdir(daemon.p(".")), "s/idx", "t/idx"]
+    tried = []
+    for rel in files:
+        path = daemon.p(rel)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if st.st_mode & 0o222:
+            assert oserror(os.utime, path) == 0, rel
+            continue
+        tried.append(rel)
+        assert oserror(os.utime, path) == errno.EPERM, rel
+        assert oserror(os.utime, path, (1, 1)) == errno.EPERM, rel
+        assert os.stat(path).st_mtime_ns == st.st_mtime_ns, rel
+    assert {f"s/{sid}/chat", f"s/{sid}/stream", f"s/{sid}/events", "events", "t/idx"} <= set(tried)
+    assert len(tried) > 20

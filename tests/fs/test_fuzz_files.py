@@ -68,13 +68,13 @@ MAN = Path(__file__).resolve().parents[2] / "man" / "ollie.5"
 
 # The errnos ollie(5) lists for each writable file (ERRORS and the file's entry).
 ERRNOS: dict[str, set[int]] = {
-    "s/new": {errno.EINVAL, errno.EEXIST},
-    "s/ID/ctl": {errno.EINVAL, errno.EBUSY, errno.EEXIST},
-    "s/ID/cfg": {errno.EINVAL, errno.EBUSY},
-    "s/ID/prompt": {errno.EINVAL},
-    "s/ID/fifo.in": {errno.EINVAL},
-    "s/ID/peer/NAME": {errno.EINVAL, errno.ENOENT},
-    "s/ID/plan": {errno.EINVAL},
+    "s/new": {errno.EINVAL, errno.EEXIST, errno.EFBIG},
+    "s/ID/ctl": {errno.EINVAL, errno.EBUSY, errno.EEXIST, errno.EFBIG},
+    "s/ID/cfg": {errno.EINVAL, errno.EBUSY, errno.EFBIG},
+    "s/ID/prompt": {errno.EINVAL, errno.EFBIG},
+    "s/ID/fifo.in": {errno.EINVAL, errno.EFBIG},
+    "s/ID/peer/NAME": {errno.EINVAL, errno.ENOENT, errno.EFBIG},
+    "s/ID/plan": {errno.EINVAL, errno.EFBIG},
     "a/NAME.json": {errno.EINVAL, errno.EFBIG},
     "sk/NAME.md": {errno.EINVAL, errno.EFBIG},
     "m/NAME": {errno.EFBIG, errno.ENOSPC},
@@ -927,7 +927,8 @@ def test_read_only_files_refuse_writers(fresh: Fuzzed) -> None:
 
 
 def test_huge_writes(fresh: Fuzzed) -> None:
-    """Several MiB in one write(2) to each writable file: refused whole or taken whole."""
+    """Several MiB in one write(2) to each writable file: refused whole (EFBIG for the
+    control files, whose limit is one FUSE request) or taken whole."""
     d, sid = fresh.d, fresh.sid
     junk = (b"x" * 1000 + b"\n") * (HUGE // 1001)
     for name, allowed in (("ctl", ERRNOS["s/ID/ctl"]), ("cfg", ERRNOS["s/ID/cfg"])):
@@ -944,10 +945,15 @@ def test_huge_writes(fresh: Fuzzed) -> None:
     close(fd)
     assert_refused_at_root(d, before_tree, "huge s/new", err, ERRNOS["s/new"])
     assert len(rd(d, "err")) < 64 << 10, "s/new: the reason echoes it all"
-    # A huge plan and files on disk are taken whole.
+    # A plan up to its limit is taken whole, a longer one refused whole; files on disk
+    # are taken whole.
     text = junk.decode()
-    d.write(f"s/{sid}/plan", text)
-    assert d.p(f"s/{sid}/plan").stat().st_size == len(junk)
+    d.write(f"s/{sid}/plan", text[: 1 << 20])
+    assert d.p(f"s/{sid}/plan").stat().st_size == 1 << 20
+    with pytest.raises(OSError) as refused:
+        d.write(f"s/{sid}/plan", text)
+    assert refused.value.errno == errno.EFBIG
+    assert d.p(f"s/{sid}/plan").stat().st_size == 1 << 20
     d.write(f"s/{sid}/plan", "")
     for rel in ("m/huge", "tmp/huge"):
         d.p(rel).write_bytes(junk)

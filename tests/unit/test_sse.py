@@ -411,3 +411,80 @@ def test_ndjson_skips_blank_lines_and_keeps_a_last_line_without_newline() -> Non
     splitter = NDJSONSplitter()
     lines = splitter.feed(b'{"a":1}\r\n\n  \n{"b"') + splitter.feed(b":2}") + splitter.close()
     assert lines == [b'{"a":1}', b'{"b":2}']
+
+
+# --- the cap on a line or event that never ends ----------------------------------------------
+
+LIMIT = 1000
+
+
+def test_an_sse_event_that_never_ends_fails_once_past_the_limit() -> None:
+    """Fed in reads of every size, an event without its blank line is held until more
+    than the limit of it waited, then the stream fails; nothing past it is kept."""
+    for step in (1, 7, 100, 999, 1001, 4096):
+        for head in (b"data: ", b'event: delta\ndata: {"x": "', b"data: a\ndata: "):
+            decoder = SSEDecoder("openai", limit=LIMIT)
+            body = head + b"x" * 5000
+            with pytest.raises(BadResponseError, match=r"^openai: .* longer than 1000 bytes"):
+                for i in range(0, len(body), step):
+                    assert decoder.feed(body[i : i + step]) == []
+            assert i + step > LIMIT and i <= LIMIT + step  # it failed as it went past
+
+
+def test_the_array_path_fails_the_same_way() -> None:
+    """``feed_array`` (OpenAI's reads of plain ``data:`` events) holds the same bytes."""
+    for step in (1, 64, 999, 4096):
+        decoder = SSEDecoder("openai", limit=LIMIT)
+        body = b'data: {"a": 1}\n\ndata: {"b": "' + b"y" * 5000
+        got: list[bytes] = []
+        with pytest.raises(BadResponseError, match="longer than 1000 bytes"):
+            for i in range(0, len(body), step):
+                out = decoder.feed_array(body[i : i + step])
+                if out is None:
+                    got += [m.data for m in decoder.feed(body[i : i + step])]
+                elif out[2]:
+                    got += data_payloads(out[1])
+        assert got == [b'{"a": 1}']  # the event that ended came out before the failure
+
+
+def test_events_up_to_the_limit_pass_and_each_one_starts_the_count_again() -> None:
+    decoder = SSEDecoder(limit=LIMIT)
+    event = b"data: " + b"z" * (LIMIT - 10) + b"\n\n"
+    out = [m.data for m in decoder.feed(event * 3)]
+    out += [m.data for chunk in (event[:500], event[500:]) * 3 for m in decoder.feed(chunk)]
+    assert out == [b"z" * (LIMIT - 10)] * 6
+
+
+def test_a_line_that_never_ends_fails_the_splitters() -> None:
+    for splitter in (LineSplitter("ollama", LIMIT), NDJSONSplitter("ollama", LIMIT)):
+        assert splitter.feed(b'{"a":1}\n{"b":"') == [b'{"a":1}']
+        with pytest.raises(BadResponseError, match=r"^ollama: .* longer than 1000 bytes"):
+            for _ in range(100):
+                splitter.feed(b"q" * 64)
+    lines = LineSplitter(limit=LIMIT)
+    assert lines.feed(b"w" * LIMIT) == []
+    assert lines.feed(b"\n" + b"w" * LIMIT) == [b"w" * LIMIT]  # at the limit: fine
+
+
+def test_the_default_limit_is_sixteen_mib() -> None:
+    decoder = SSEDecoder("anthropic")
+    piece = b"data: " + b"x" * ((1 << 20) - 6)
+    for _ in range(16):
+        assert decoder.feed(piece) == []
+    with pytest.raises(BadResponseError, match=r"^anthropic: .* longer than 16 MiB"):
+        decoder.feed(b"x")
+
+
+def test_the_events_a_read_ended_come_out_before_the_failure() -> None:
+    """One read ends an event and runs past the limit in the next: the event comes out,
+    the stream fails at the next read or at its end."""
+    body = b"data: first\n\ndata: " + b"x" * 5000
+    for then in ("feed", "close"):
+        decoder = SSEDecoder("gemini", limit=LIMIT)
+        assert [m.data for m in decoder.feed(body)] == [b"first"]
+        with pytest.raises(BadResponseError, match="longer than 1000 bytes"):
+            decoder.feed(b"\n\n") if then == "feed" else decoder.close()
+        lines = LineSplitter("ollama", LIMIT)
+        assert lines.feed(b"one\n" + b"x" * 5000) == [b"one"]
+        with pytest.raises(BadResponseError, match="longer than 1000 bytes"):
+            lines.feed(b"\n") if then == "feed" else lines.close()

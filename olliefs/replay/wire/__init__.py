@@ -128,6 +128,10 @@ class Wire:
     def keepalive(self) -> bytes | None:
         return None
 
+    def flood_head(self, size: int) -> bytes:
+        """What starts a payload of ``size`` bytes that never ends (``flood``)."""
+        return b"data: "
+
     def trim(self, frame: bytes) -> bytes:
         """The frame without its final line ending (``no_final_newline``)."""
         return frame.rstrip(b"\r\n")

@@ -154,5 +154,8 @@ class AnthropicWire(Wire):
     def garbage(self, text: str) -> bytes:
         return b"event: content_block_delta\ndata: %b\n\n" % text.encode()
 
+    def flood_head(self, size: int) -> bytes:
+        return b"event: content_block_delta\ndata: "
+
     def keepalive(self) -> bytes | None:
         return event("ping", {})

@@ -148,3 +148,8 @@ class KiroWire(Wire):
 
     def trim(self, frame: bytes) -> bytes:
         return frame  # binary frames have no line ending to leave out
+
+    def flood_head(self, size: int) -> bytes:
+        """A frame's prelude (checksum right) announcing a payload of ``size`` bytes."""
+        prelude = struct.pack(">II", 16 + size, 0)
+        return prelude + struct.pack(">I", zlib.crc32(prelude))

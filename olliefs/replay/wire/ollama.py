@@ -102,3 +102,6 @@ class OllamaWire(Wire):
 
     def garbage(self, text: str) -> bytes:
         return text.encode() + b"\n"
+
+    def flood_head(self, size: int) -> bytes:
+        return b'{"message": {"role": "assistant", "content": "'
