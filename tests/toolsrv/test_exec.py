@@ -231,6 +231,42 @@ def test_git_fallback_without_mount_namespace(exec_box: Box) -> None:
 
 
 @needs_landlock
+def test_hidden_dirs_stay_read_only_without_mount_namespace(exec_box: Box) -> None:
+    """Where namespaces are refused, a hidden directory beneath a root (the daemon's
+    config dir beneath a cwd = $HOME) is kept read-only by Landlock rules per entry down
+    the way to it; its neighbours stay writable, and so does a root inside it (the tmp
+    dir inside the data dir)."""
+    b = exec_box
+    config = b.cwd / ".config" / "ollie"
+    (config / "sandbox").mkdir(parents=True)
+    (config / "sandbox" / "default.toml").write_text("# the user's\n")
+    (b.cwd / ".config" / "other").mkdir()
+    tmp = b.cwd / ".local" / "share" / "ollie" / "tmp" / "sess"
+    tmp.mkdir(parents=True)
+    hide = [str(config), str(b.cwd / ".local" / "share" / "ollie")]
+    prepared = sandbox.prepare(DEFAULT, [str(b.cwd), str(tmp)], mount_ns=False, hide=hide)
+    assert prepared.mounts is None
+    targets = [
+        config / "sandbox" / "default.toml",
+        config / "new.toml",
+        b.cwd / ".local" / "share" / "ollie" / "journal",
+        b.cwd / ".config" / "other" / "x",
+        b.cwd / "src" / "x",
+        tmp / "x",
+    ]
+    got = run_entered(prepared, py(WRITER, *map(str, targets)))
+    assert got == {
+        str(config / "sandbox" / "default.toml"): "EACCES",
+        str(config / "new.toml"): "EACCES",
+        str(b.cwd / ".local" / "share" / "ollie" / "journal"): "EACCES",
+        str(b.cwd / ".config" / "other" / "x"): "ok",
+        str(b.cwd / "src" / "x"): "ok",
+        str(tmp / "x"): "ok",
+    }
+    assert (config / "sandbox" / "default.toml").read_text() == "# the user's\n"
+
+
+@needs_landlock
 def test_network_namespace_alone_cuts_tcp_and_udp(exec_box: Box) -> None:
     """The empty network namespace as the only wall (Landlock ABI 3: no TCP rules; no
     seccomp filter): nothing reaches the host's loopback, TCP or UDP."""

@@ -62,14 +62,19 @@ class Executor:
 
     ``cgroups``: ``off``, ``v1``, ``v2`` or empty for the best available (see
     `cgroup.detect`); detected on first use. ``hide``: paths no tool may see (the daemon's
-    sockets and secrets, this server's socket), hidden in each call's mount namespace.
+    config, state, data and run dirs, this server's socket), hidden in each call's mount
+    namespace wherever the call's roots are; ``show``: paths inside them that tools may
+    still read and execute (the user's tool scripts).
     The executor also owns the scan of protected entries (`ProtectedScan`) and the empty
     network namespace shared by calls without network.
     """
 
-    def __init__(self, *, cgroups: str = "", hide: Sequence[str] = ()) -> None:
+    def __init__(
+        self, *, cgroups: str = "", hide: Sequence[str] = (), show: Sequence[str] = ()
+    ) -> None:
         self._want_cgroups = cgroups
         self.hide = tuple(hide)
+        self.show = tuple(show)
         self.scan = ProtectedScan()
         self.rulesets = sandbox.RulesetCache()
         self._scan_lock = trio.Lock()  # one scan at a time (ProtectedScan is not thread-safe)
@@ -167,18 +172,31 @@ class Executor:
         protect = None
         clean = None
         ids: namespaces.Ids = {}
+        hidden: sandbox.Hidden | Sequence[str] = self.hide
+        if not profile.unsandboxed:
+            hidden = sandbox.resolve_hidden(self.hide, self.show, ids)
+            for root in write_roots:
+                real = namespaces.real_path(root, ids)
+                inside = hidden.holding(real) if real is not None else None
+                if inside is not None:
+                    return ExecResult(
+                        error=f"refused: the working directory {root} is inside {inside}, "
+                        "which is hidden from tools"
+                    )
         if not profile.unsandboxed and namespaces.mount_namespaces():
+            assert isinstance(hidden, sandbox.Hidden)
             lock = self._scan_lock
             try:
                 lock.acquire_nowait()  # (async with would yield to the scheduler twice)
             except trio.WouldBlock:
                 await lock.acquire()
             try:
-                clean = sandbox.clean_roots(roots, ids)
-                protect = self.scan.quick(clean)
+                clean = sandbox.clean_roots(roots, ids, hidden)
+                outer = sandbox.outer_roots(clean)
+                protect = self.scan.quick(outer)
                 if protect is None:
                     # In a worker thread: a root on a slow filesystem must not stall us.
-                    protect = await trio.to_thread.run_sync(self.scan.find, clean)
+                    protect = await trio.to_thread.run_sync(self.scan.find, outer)
             finally:
                 lock.release()
         try:
@@ -186,7 +204,7 @@ class Executor:
                 profile,
                 roots,
                 protect=protect,
-                hide=self.hide,
+                hide=hidden,
                 netns_fd=None if profile.network else self.netns,
                 rulesets=self.rulesets,
                 clean=clean,
