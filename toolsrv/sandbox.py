@@ -59,6 +59,8 @@ from toolsrv.protect import PROTECTED_NAMES, ProtectedScan
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+MEMORY_MAX = 2048 * MiB
+"""A call's memory cap unless its profile says otherwise (`Profile.memory_max`)."""
 
 # --- Landlock ------------------------------------------------------------------------------
 #
@@ -149,6 +151,7 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_output: Annotated[int, msgspec.Meta(ge=0)] = MiB
     max_procs: Annotated[int, msgspec.Meta(ge=1)] = 256
     max_memory: Annotated[int, msgspec.Meta(ge=0)] = 0
+    memory_max: Annotated[int, msgspec.Meta(ge=0)] = MEMORY_MAX
     timeout_cap: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 

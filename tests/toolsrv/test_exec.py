@@ -30,6 +30,7 @@ from olliefs.testing import await_until
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
 from toolsrv.sandbox import Profile, SandboxError
+from toolsrv.server import render_result
 
 ABI = sandbox.landlock_abi()
 needs_landlock = pytest.mark.skipif(
@@ -727,6 +728,60 @@ def test_kill_in_each_cgroup_mode(exec_box: Box, mode: str) -> None:
     assert all(s is None for s in out["later"].values()), out
 
 
+# Allocates and writes argv[1] MiB (every page touched), then says so.
+HOG = """
+    import sys
+    data = b"x" * (int(sys.argv[1]) << 20)
+    print("survived", len(data) >> 20)
+"""
+
+
+@pytest.mark.parametrize("mode", ["", "off"])
+async def test_memory_limit_per_call(tmp_path: Path, mode: str) -> None:
+    """A call over its profile's memory_max is killed (its cgroup's memory limit) and
+    answered with a tool error naming the limit; one under it runs. Without a memory
+    cgroup (``off``) each process gets the cap as RLIMIT_DATA: the allocation fails."""
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    boxes = write(tmp_path / "sandbox", "small", "memory_max = 67108864\n")
+    profile = sandbox.load_profile([boxes], "small")
+    if ABI == 0:
+        profile = Profile(name="small", unsandboxed=True, memory_max=profile.memory_max)
+    executor = Executor(cgroups=mode)
+    executor.start()
+    try:
+        if mode == "" and "memory" not in executor.cgroup_mode:
+            pytest.skip(reason=f"no writable memory cgroup here ({executor.cgroup_mode})")
+
+        async def hog(mib: int) -> ExecResult:
+            return await executor.run(
+                py(HOG, str(mib)),
+                stdin=b"",
+                cwd=str(cwd),
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                write_roots=[str(cwd)],
+                tmp_dir=str(tmp_path),
+                profile=profile,
+                timeout=60,
+            )
+
+        for _ in range(2):  # (the second time in a pooled cgroup that saw an OOM kill)
+            res = await hog(256)
+            assert res.stdout == b"", res
+            if mode == "off":
+                assert res.oom_killed == 0 and res.exit_code == 1 and b"MemoryError" in res.stderr
+            else:
+                assert res.oom_killed >= 1 and res.signal == signal.SIGKILL, res
+                text = render_result(res, 60, "small").content[0].text
+                assert "killed: the call went over its memory limit of 64 MiB" in text, text
+                assert "memory_max in sandbox/small.toml" in text, text
+            res = await hog(8)
+            assert res.stdout == b"survived 8\n" and res.oom_killed == 0, res
+            assert not render_result(res, 60, "small").isError
+    finally:
+        executor.close()
+
+
 # --- profiles ------------------------------------------------------------------------------
 
 
@@ -743,6 +798,8 @@ def test_shipped_profiles_load() -> None:
     assert profiles["network"].network and not profiles["default"].network
     assert profiles["ollie"].write == ["${OLLIE}"]
     assert profiles["memory"].write == ["${OLLIE_MEMORY_DIR}"]
+    # Every shipped profile caps a call's memory (2 GiB unless it says otherwise).
+    assert {p.memory_max for p in profiles.values()} == {2 << 30}
 
 
 def test_profile_first_dir_wins(tmp_path: Path) -> None:
