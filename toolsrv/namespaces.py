@@ -253,51 +253,58 @@ class MountPlan:
         """Make the calling thread's view, in a private mount namespace of its own."""
         private_mount_ns()
         # The roots are copied before "/" turns read-only, so the copies keep the flags the
-        # host gives them (a read-only mount inside a root stays read-only).
+        # host gives them (a read-only mount inside a root stays read-only); those inside
+        # a hidden directory are put back once its tmpfs is there.
         inner = {p for d in self.hide_dirs for p in self.inside(d)}
-        clones: list[tuple[str, int]] = []
+        clones: dict[str, int] = {}
         try:
-            for root in sorted(r for r in self.roots if r not in inner):
-                clones.append((root, open_tree_clone(root)))
+            for root in sorted(self.roots):
+                clones[root] = open_tree_clone(root)
             mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
-            for root, fd in clones:
-                move_mount(fd, root)
+            for root, fd in clones.items():
+                if root not in inner:
+                    move_mount(fd, root)
+            for path in sorted(self.pins):
+                _mount_on_itself(path)
+            for path in sorted(self.hide_dirs):
+                self._hide_dir(path, clones)
         finally:
-            for _root, fd in clones:
+            for fd in clones.values():
                 os.close(fd)
+        # After the roots inside hidden directories are back: their .git too.
         for path in self.protect:
             try:
                 mount(path, path, MS_BIND)
-            except FileNotFoundError:  # removed since the scan: nothing left to protect
+            except FileNotFoundError:  # removed since the scan, or hidden: nothing to do
                 continue
             mount_setattr(path, MOUNT_ATTR_RDONLY)
-        for path in sorted(self.pins):
-            _mount_on_itself(path)
-        for path in sorted(self.hide_dirs):
-            self._hide_dir(path)
         for path in self.hide_files:
             mount("/dev/null", path, MS_BIND)
 
-    def _hide_dir(self, path: str) -> None:
+    def _hide_dir(self, path: str, roots: dict[str, int]) -> None:
+        """Cover ``path`` with a tmpfs; put back the roots inside it (``roots``: their
+        copies, made before "/" turned read-only) and the shown paths (read-only)."""
         flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
         inner = self.inside(path)
         if not inner:
             mount("none", path, flags | MS_RDONLY, "tmpfs", "size=4k,mode=000")
             return
-        # Copied before the tmpfs covers them, put back inside it, and only then is the
-        # tmpfs made read-only (its directories are the way to them, nothing more).
-        grabbed: list[tuple[str, int]] = []
+        # The shown paths are copied before the tmpfs covers them, put back inside it, and
+        # only then is the tmpfs made read-only (its directories lead to them, no more).
+        shown: dict[str, int] = {}
         try:
             for p in inner:
-                grabbed.append((p, open_tree_clone(p)))
+                if p not in roots:
+                    shown[p] = open_tree_clone(p)
             mount("none", path, flags, "tmpfs", "size=16k,nr_inodes=256,mode=0111")
-            for p, fd in grabbed:
+            for p in inner:
+                fd = roots[p] if p in roots else shown[p]
                 _mount_point(path, p, isdir=stat.S_ISDIR(os.fstat(fd).st_mode))
                 move_mount(fd, p)
-                if p in self.show:
+                if p in shown:
                     mount_setattr(p, MOUNT_ATTR_RDONLY, recursive=True)
         finally:
-            for _p, fd in grabbed:
+            for fd in shown.values():
                 os.close(fd)
         mount_setattr(path, MOUNT_ATTR_RDONLY)
 

@@ -624,9 +624,11 @@ class DaemonBox:
         res = await self.conn.call(tool, args, str(cwd), env)
         return ("ERROR " if res.isError else "") + res.text
 
-    async def py(self, code: str, *args: str, tool: str = "sh") -> dict[str, str]:
+    async def py(
+        self, code: str, *args: str, tool: str = "sh", cwd: Path | None = None
+    ) -> dict[str, str]:
         argv = shlex.join(["python3", "-c", textwrap.dedent(code), *args])
-        out = await self.call(tool, {"code": argv})
+        out = await self.call(tool, {"code": argv}, cwd)
         assert not out.startswith("ERROR"), out
         return dict(line.rsplit(" ", 1) for line in out.splitlines() if " " in line)
 
@@ -737,40 +739,54 @@ async def test_the_daemon_dirs_are_out_of_reach_wherever_the_cwd_is(daemon_box: 
 async def test_what_tools_need_of_the_daemon_dirs_still_works(daemon_box: DaemonBox) -> None:
     """The cwd, the call's own tmp dir (inside the data dir), the memory notes (read by
     every tool, written by the memory profile) and the tool scripts (the user's, in the
-    config dir, and the shipped ones) work as before."""
+    config dir, and the shipped ones) work as before, from a cwd holding the daemon's
+    dirs and from one elsewhere; another session's tmp dir stays out of reach."""
     b = daemon_box
     p = b.paths
     code = (
         TRY
         + """
-cwd, tmp, memory = sys.argv[1:4]
+cwd, tmp, memory, other = sys.argv[1:5]
 attempt("cwd", lambda: open(os.path.join(cwd, "made-here"), "w").write("x"))
 attempt("tmp", lambda: open(os.path.join(tmp, "scratch"), "w").write("x"))
 attempt("read memory", lambda: open(os.path.join(memory, "notes.md")).read())
 attempt("write memory", lambda: open(os.path.join(memory, "notes.md"), "a").write("x"))
-attempt("other tmp", lambda: os.listdir(os.path.dirname(tmp)))
+attempt("list tmp dirs", lambda: os.listdir(os.path.dirname(tmp)))
+attempt("other tmp", lambda: open(other).read())
+attempt("hook in tmp", lambda: open(os.path.join(tmp, "repo/.git/hooks/x"), "w").write("x"))
 """
     )
     tmp = p.data / "tmp" / "sess"
-    got = await b.py(code, str(b.home), str(tmp), str(p.memory))  # sh: the user's tool
-    assert got == {
-        "cwd": "ok",
-        "tmp": "ok",
-        "read memory": "ok",
-        "write memory": got["write memory"],
-        "other tmp": got["other tmp"],
-    }, got
-    assert got["write memory"] in ("EROFS", "EACCES"), got
-    (p.data / "tmp" / "other-session").mkdir(exist_ok=True)
-    assert (b.home / "made-here").read_text() == "x" and (tmp / "scratch").read_text() == "x"
-    # The memory profile writes the notes; a shipped tool reads them.
-    got = await b.py(code, str(b.home), str(tmp), str(p.memory), tool="sh_mem")
-    assert got["write memory"] == "ok" and got["read memory"] == "ok", got
-    out = await b.call("memory_remember", {"text": "the key is under the mat"})
-    assert not out.startswith("ERROR"), out
-    out = await b.call("memory_recall", {"query": "mat"})
-    assert "under the mat" in out and not out.startswith("ERROR"), out
-    assert "under the mat" in (p.memory / "notes.md").read_text()
+    (tmp / "repo" / ".git" / "hooks").mkdir(parents=True)
+    other = p.data / "tmp" / "other-session" / "secret"
+    other.parent.mkdir()
+    other.write_text("not yours\n")
+    elsewhere = b.home.parent / "elsewhere"
+    elsewhere.mkdir()
+    for cwd in (b.home, elsewhere):
+        argv = (str(cwd), str(tmp), str(p.memory), str(other))
+        got = await b.py(code, *argv, cwd=cwd)  # sh: the user's tool, in the config dir
+        assert got == {
+            "cwd": "ok",
+            "tmp": "ok",
+            "read memory": "ok",
+            "write memory": got["write memory"],
+            "list tmp dirs": "EACCES",
+            "other tmp": "ENOENT",
+            "hook in tmp": got["hook in tmp"],
+        }, got
+        assert got["hook in tmp"] in ("EROFS", "EACCES"), got
+        assert got["write memory"] in ("EROFS", "EACCES"), got
+        assert (cwd / "made-here").read_text() == "x" and (tmp / "scratch").read_text() == "x"
+        # The memory profile writes the notes; a shipped tool reads them.
+        got = await b.py(code, *argv, tool="sh_mem", cwd=cwd)
+        assert got["write memory"] == "ok" and got["read memory"] == "ok", got
+        assert got["tmp"] == got["cwd"] == "ok" and got["other tmp"] == "ENOENT", got
+        out = await b.call("memory_remember", {"text": f"the key is under mat {cwd.name}"}, cwd)
+        assert not out.startswith("ERROR"), out
+        out = await b.call("memory_recall", {"query": cwd.name}, cwd)
+        assert f"under mat {cwd.name}" in out and not out.startswith("ERROR"), out
+        assert f"under mat {cwd.name}" in (p.memory / "notes.md").read_text()
 
 
 @needs_ns
