@@ -796,3 +796,22 @@ async def test_a_cwd_inside_the_daemon_dirs_is_refused(daemon_box: DaemonBox) ->
         out = await b.call("sh", {"code": "echo ran"}, cwd=cwd)
         assert out.startswith("ERROR refused: the working directory"), out
         assert "hidden from tools" in out
+
+
+@needs_ns
+async def test_a_shown_dir_made_anew_on_the_host_is_shown_in_the_next_call(
+    daemon_box: DaemonBox,
+) -> None:
+    """A call's mount namespace is kept for the next calls like it; a shown directory
+    (the memory notes) replaced on the host gets a fresh one, not the kept view of the
+    old directory."""
+    b = daemon_box
+    memory = b.paths.memory
+    for _ in range(2):  # (the second call joins the namespace kept by the first)
+        out = await b.call("memory_recall", {"query": "door"})
+        assert "blue door" in out and not out.startswith("ERROR"), out
+    memory.rename(memory.with_name("memory.old"))
+    memory.mkdir()
+    (memory / "notes.md").write_text("## note\nthe red door\n")
+    out = await b.call("memory_recall", {"query": "door"})
+    assert "red door" in out and "blue" not in out, out
