@@ -175,7 +175,7 @@ class Executor:
         protect = None
         clean = None
         ids: namespaces.Ids = {}
-        hidden: sandbox.Hidden | Sequence[str] = self.hide
+        hidden = sandbox.Hidden()  # (an unsandboxed profile hides nothing)
         if not profile.unsandboxed:
             hidden = sandbox.resolve_hidden(self.hide, self.show, ids)
             for root in write_roots:
@@ -187,7 +187,6 @@ class Executor:
                         "which is hidden from tools"
                     )
         if not profile.unsandboxed and namespaces.mount_namespaces():
-            assert isinstance(hidden, sandbox.Hidden)
             lock = self._scan_lock
             try:
                 lock.acquire_nowait()  # (async with would yield to the scheduler twice)
