@@ -372,9 +372,11 @@ class ToolsrvProc:
         base: Path,
         *,
         tools_dirs: tuple[Path, ...] = (),
+        sandbox_dirs: tuple[Path, ...] = (),
         log_level: str = "DEBUG",
         extra_args: tuple[str, ...] = (),
     ) -> None:
+        self.sandbox_dirs = sandbox_dirs
         self.log_level = log_level
         self.extra_args = extra_args
         base.mkdir(parents=True, exist_ok=True)
@@ -395,6 +397,8 @@ class ToolsrvProc:
         # toolsrv imports nothing of olliefs: the shipped defaults are named, as the
         # daemon's spawner names them.
         argv += ["--tools-dir", str(shipped_dir() / "tools")]
+        for d in self.sandbox_dirs:  # (the user's before the shipped ones, as olliefs does)
+            argv += ["--sandbox-dir", str(d)]
         argv += ["--sandbox-dir", str(shipped_dir() / "sandbox")]
         argv += self.extra_args
         with open(self.log_path, "ab") as log:
@@ -453,10 +457,17 @@ def running_toolsrv(
     base: Path,
     *,
     tools_dirs: tuple[Path, ...] = (),
+    sandbox_dirs: tuple[Path, ...] = (),
     log_level: str = "DEBUG",
     extra_args: tuple[str, ...] = (),
 ) -> Iterator[ToolsrvProc]:
-    t = ToolsrvProc(base, tools_dirs=tools_dirs, log_level=log_level, extra_args=extra_args)
+    t = ToolsrvProc(
+        base,
+        tools_dirs=tools_dirs,
+        sandbox_dirs=sandbox_dirs,
+        log_level=log_level,
+        extra_args=extra_args,
+    )
     t.start()
     try:
         yield t

@@ -49,7 +49,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--hide",
         action="append",
         default=[],
-        help="a path no tool may see (the daemon's sockets, secrets); repeatable",
+        help="a path no tool may see nor change, wherever the call's cwd is (the daemon's "
+        "dirs, secrets, sockets); repeatable",
+    )
+    p.add_argument(
+        "--show",
+        action="append",
+        default=[],
+        help="a path inside a hidden dir that tools may still read and execute (the user's "
+        "tool scripts); repeatable",
     )
     p.add_argument("--key-file", help="master key file (default: one hex line on stdin)")
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes")
@@ -72,7 +80,7 @@ async def amain(args: argparse.Namespace, key: bytes) -> None:
     tmp_root.mkdir(parents=True, exist_ok=True, mode=0o700)
     # This server's own socket is hidden from tools too: a tool must not reach it.
     hide = [*args.hide, args.socket]
-    executor = Executor(cgroups=os.environ.get("TOOLSRV_CGROUPS", ""), hide=hide)
+    executor = Executor(cgroups=os.environ.get("TOOLSRV_CGROUPS", ""), hide=hide, show=args.show)
     executor.start()
     try:
         await serve(args, key, tools, boxes, tmp_root, executor)

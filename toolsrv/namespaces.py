@@ -7,6 +7,7 @@ from the thread that forks it. Only `empty_netns` runs elsewhere, once per serve
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -33,6 +34,7 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MOUNT_ATTR_RDONLY = 1
 _AT_FDCWD = -100
+_AT_SYMLINK_NOFOLLOW = 0x100
 _AT_RECURSIVE = 0x8000
 _OPEN_TREE_CLONE = 1
 _MOVE_MOUNT_F_EMPTY_PATH = 4
@@ -110,9 +112,12 @@ def mount_setattr(path: str, set_: int, clear: int = 0, *, recursive: bool = Fal
     _check(rc, f"mount_setattr {path}")
 
 
-def open_tree_clone(path: str) -> int:
-    """A detached copy of the mount tree at ``path`` (submounts and their flags included)."""
+def open_tree_clone(path: str, *, follow: bool = True) -> int:
+    """A detached copy of the mount tree at ``path`` (submounts and their flags included);
+    of a symlink itself when not ``follow``."""
     flags = _OPEN_TREE_CLONE | _AT_RECURSIVE | os.O_CLOEXEC
+    if not follow:
+        flags |= _AT_SYMLINK_NOFOLLOW
     rc = _libc.syscall(
         ctypes.c_long(_NR_OPEN_TREE),
         ctypes.c_int(_AT_FDCWD),
@@ -123,6 +128,7 @@ def open_tree_clone(path: str) -> int:
 
 
 def move_mount(fd: int, target: str) -> None:
+    """Attach the detached tree ``fd`` at ``target`` (a symlink there is not followed)."""
     rc = _libc.syscall(
         ctypes.c_long(_NR_MOVE_MOUNT),
         ctypes.c_int(fd),
@@ -210,45 +216,127 @@ class MountPlan:
     ``roots`` stay writable (each keeps its own mounts and their flags); everything else is
     read-only; ``protect`` entries (beneath roots) are read-only binds; ``hide_dirs`` get an
     empty read-only tmpfs on top, ``hide_files`` /dev/null (so a socket there refuses
-    connections: it is not a socket any more).
+    connections: it is not a socket any more). Roots and ``show`` paths that lie inside a
+    hidden directory are put back at their own paths inside its tmpfs, roots writable,
+    ``show`` read-only (the per-session tmp dir inside the daemon's data dir, the user's
+    tool scripts inside its config dir). ``pins`` (directories or symlinks beneath a root,
+    on the way to a hidden path) are mounted on themselves: a mount point cannot be moved
+    or removed, so a tool cannot rename the way to a hidden directory and put a directory
+    of its own where the daemon will look.
     """
 
     roots: tuple[str, ...]
     protect: tuple[str, ...] = ()
     hide_dirs: tuple[str, ...] = ()
     hide_files: tuple[str, ...] = ()
+    show: tuple[str, ...] = ()
+    pins: tuple[str, ...] = ()
 
     @property
     def paths(self) -> tuple[str, ...]:
         """Every path the plan mounts on or from."""
-        return (*self.roots, *self.protect, *self.hide_dirs, *self.hide_files)
+        return (
+            *self.roots,
+            *self.protect,
+            *self.hide_dirs,
+            *self.hide_files,
+            *self.show,
+            *self.pins,
+        )
+
+    def inside(self, hidden: str) -> list[str]:
+        """The roots and shown paths to put back inside the hidden directory ``hidden``,
+        parents first (a root inside a shown directory goes on top of it)."""
+        return sorted(p for p in (*self.roots, *self.show) if strictly_beneath(p, hidden))
 
     def apply(self) -> None:
         """Make the calling thread's view, in a private mount namespace of its own."""
         private_mount_ns()
         # The roots are copied before "/" turns read-only, so the copies keep the flags the
-        # host gives them (a read-only mount inside a root stays read-only).
-        clones: list[tuple[str, int]] = []
+        # host gives them (a read-only mount inside a root stays read-only); those inside
+        # a hidden directory are put back once its tmpfs is there.
+        inner = {p for d in self.hide_dirs for p in self.inside(d)}
+        clones: dict[str, int] = {}
         try:
-            for root in self.roots:
-                clones.append((root, open_tree_clone(root)))
+            for root in sorted(self.roots):
+                clones[root] = open_tree_clone(root)
             mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
-            for root, fd in clones:
-                move_mount(fd, root)
+            for root, fd in clones.items():
+                if root not in inner:
+                    move_mount(fd, root)
+            for path in sorted(self.pins):
+                _mount_on_itself(path)
+            for path in sorted(self.hide_dirs):
+                self._hide_dir(path, clones)
         finally:
-            for _root, fd in clones:
+            for fd in clones.values():
                 os.close(fd)
+        # After the roots inside hidden directories are back: their .git too.
         for path in self.protect:
             try:
                 mount(path, path, MS_BIND)
-            except FileNotFoundError:  # removed since the scan: nothing left to protect
+            except FileNotFoundError:  # removed since the scan, or hidden: nothing to do
                 continue
             mount_setattr(path, MOUNT_ATTR_RDONLY)
-        for path in self.hide_dirs:
-            flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
-            mount("none", path, flags, "tmpfs", "size=4k,mode=000")
         for path in self.hide_files:
             mount("/dev/null", path, MS_BIND)
+
+    def _hide_dir(self, path: str, roots: dict[str, int]) -> None:
+        """Cover ``path`` with a tmpfs; put back the roots inside it (``roots``: their
+        copies, made before "/" turned read-only) and the shown paths (read-only)."""
+        flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+        inner = self.inside(path)
+        if not inner:
+            mount("none", path, flags | MS_RDONLY, "tmpfs", "size=4k,mode=000")
+            return
+        # The shown paths are copied before the tmpfs covers them, put back inside it, and
+        # only then is the tmpfs made read-only (its directories lead to them, no more).
+        shown: dict[str, int] = {}
+        try:
+            for p in inner:
+                if p not in roots:
+                    shown[p] = open_tree_clone(p)
+            mount("none", path, flags, "tmpfs", "size=16k,nr_inodes=256,mode=0111")
+            for p in inner:
+                fd = roots[p] if p in roots else shown[p]
+                _mount_point(path, p, isdir=stat.S_ISDIR(os.fstat(fd).st_mode))
+                move_mount(fd, p)
+                if p in shown:
+                    mount_setattr(p, MOUNT_ATTR_RDONLY, recursive=True)
+        finally:
+            for fd in shown.values():
+                os.close(fd)
+        mount_setattr(path, MOUNT_ATTR_RDONLY)
+
+
+def _mount_on_itself(path: str) -> None:
+    """Make ``path`` (a directory or a symlink, not followed) a mount point of its own,
+    with what is mounted beneath it: then it cannot be renamed or removed (EBUSY)."""
+    try:
+        fd = open_tree_clone(path, follow=False)
+    except FileNotFoundError:  # removed meanwhile: nothing to pin, nothing to lead astray
+        return
+    try:
+        move_mount(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _mount_point(hidden: str, path: str, *, isdir: bool) -> None:
+    """Make ``path`` (beneath the fresh tmpfs at ``hidden``) exist, with the directories
+    leading to it, for a mount to go on it (those already there, a mount beneath another
+    put back before it, are left)."""
+    rel = os.path.relpath(path, hidden).split(os.sep)
+    cur = hidden
+    for name in rel[:-1]:
+        cur = os.path.join(cur, name)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(cur, 0o111)
+    if isdir:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    else:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
 
 
 def private_mount_ns() -> None:
@@ -357,7 +445,7 @@ class MountNsCache:
         pins: list[int] = []
         try:
             for path, ident in zip(key.plan.paths, key.ids, strict=True):
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
                 pins.append(fd)
                 st = os.fstat(fd)
                 if (st.st_dev, st.st_ino) != ident:
@@ -512,14 +600,14 @@ def resolve(path: str, ids: Ids | None = None) -> tuple[str, os.stat_result] | N
 
 
 def identities(paths: Sequence[str], seen: Ids | None = None) -> tuple[tuple[int, int], ...] | None:
-    """(st_dev, st_ino) of each path, from ``seen`` where it has them, else stat'ed now;
+    """(st_dev, st_ino) of each path, from ``seen`` where it has them, else lstat'ed now;
     None if one of them is gone."""
     ids: list[tuple[int, int]] = []
     for path in paths:
         ident = seen.get(path) if seen is not None else None
         if ident is None:
             try:
-                st = os.stat(path)
+                st = os.lstat(path)  # a pinned symlink is itself (the rest are real paths)
             except OSError:
                 return None
             ident = (st.st_dev, st.st_ino)
@@ -551,3 +639,62 @@ def split_hidden(
     dirs = [d for d in dirs if not any(o != d and d.startswith(o + os.sep) for o in dirs)]
     files = [f for f in files if not any(f.startswith(d + os.sep) for d in dirs)]
     return tuple(dirs), tuple(files)
+
+
+def beneath(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies inside it (both real paths)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def strictly_beneath(path: str, root: str) -> bool:
+    """Whether ``path`` lies inside ``root``, not being it."""
+    return path != root and beneath(path, root)
+
+
+_MAX_LINKS = 40  # as the kernel's lookup
+
+
+def lookup_chain(path: str, lstat: dict[str, os.stat_result | None]) -> list[str]:
+    """Every entry the lookup of ``path`` passes through, each named by the real path of
+    its directory: the components, a symlink met on the way as itself and then the
+    components of its target, up to the end. ``lstat`` remembers what was looked at, for
+    the other paths of the same call (the daemon's dirs share most of their way).
+
+    Whoever can rename or replace one of these entries can make the path lead elsewhere:
+    these are what `MountPlan.pins` keeps in place.
+    """
+    out: list[str] = []
+    todo = [p for p in os.path.abspath(path).split(os.sep) if p]
+    cur = os.sep
+    links = 0
+    while todo:
+        name = todo.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)
+            continue
+        entry = os.path.join(cur, name)
+        if entry not in lstat:
+            try:
+                lstat[entry] = os.lstat(entry)
+            except OSError:
+                lstat[entry] = None
+        st = lstat[entry]
+        if st is None:
+            break  # the rest does not exist: nothing there to lead astray
+        out.append(entry)
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            try:
+                target = os.readlink(entry)
+            except OSError:
+                break
+            if links > _MAX_LINKS:
+                break
+            if target.startswith(os.sep):
+                cur = os.sep
+            todo[:0] = [p for p in target.split(os.sep) if p]
+            continue
+        cur = entry
+    return out

@@ -59,6 +59,8 @@ from toolsrv.protect import PROTECTED_NAMES, ProtectedScan
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+MEMORY_MAX = 2048 * MiB
+"""A call's memory cap unless its profile says otherwise (`Profile.memory_max`)."""
 
 # --- Landlock ------------------------------------------------------------------------------
 #
@@ -149,6 +151,7 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_output: Annotated[int, msgspec.Meta(ge=0)] = MiB
     max_procs: Annotated[int, msgspec.Meta(ge=1)] = 256
     max_memory: Annotated[int, msgspec.Meta(ge=0)] = 0
+    memory_max: Annotated[int, msgspec.Meta(ge=0)] = MEMORY_MAX
     timeout_cap: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 
@@ -444,16 +447,65 @@ def fs_rights(abi: int) -> int:
     return rights
 
 
-def _beneath(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+_beneath = namespaces.beneath
 
 
-def clean_roots(roots: Sequence[str], ids: namespaces.Ids | None = None) -> list[str]:
+@dataclass(frozen=True)
+class Hidden:
+    """The paths hidden from a call's tools, resolved for it (`resolve_hidden`).
+
+    ``dirs`` and ``files``: real paths of the hidden paths that exist (what lies beneath a
+    hidden directory is hidden with it); ``named``: the paths as given, whose lookups
+    (`namespaces.lookup_chain`) must stay where they lead; ``show``: real paths that exist,
+    inside hidden directories, that tools may still read and execute.
+    """
+
+    dirs: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    named: tuple[str, ...] = ()
+    show: tuple[str, ...] = ()
+
+    def zone(self, path: str) -> str | None:
+        """The hidden directory ``path`` lies inside, if any."""
+        for d in self.dirs:
+            if namespaces.strictly_beneath(path, d):
+                return d
+        return None
+
+    def holding(self, path: str) -> str | None:
+        """The hidden directory that is ``path`` or holds it, if any."""
+        for d in self.dirs:
+            if _beneath(path, d):
+                return d
+        return None
+
+
+def resolve_hidden(
+    hide: Sequence[str], show: Sequence[str] = (), ids: namespaces.Ids | None = None
+) -> Hidden:
+    """Resolve the hidden and shown paths for one call (they may have been made, removed
+    or replaced since the last one)."""
+    dirs, files = namespaces.split_hidden(hide, ids)
+    shown = []
+    for path in show:
+        real = namespaces.real_path(path, ids)
+        if real is not None and any(namespaces.strictly_beneath(real, d) for d in dirs):
+            shown.append(real)
+    named = tuple(os.path.abspath(h) for h in hide)
+    return Hidden(dirs, files, named, tuple(shown))
+
+
+def clean_roots(
+    roots: Sequence[str], ids: namespaces.Ids | None = None, hidden: Hidden | None = None
+) -> list[str]:
     """Real paths of the roots that exist, without those inside another root.
 
     A root inside another needs no rule nor mount of its own, and must not get one: a tool
     may replace it (its parent is writable) with a symlink to "/" between two calls, and a
-    mount copied from that path would then make "/" writable.
+    mount copied from that path would then make "/" writable. A root inside a directory
+    ``hidden`` from tools (the per-session tmp dir inside the daemon's data dir) is kept
+    whatever holds it: it is put back inside the hidden directory, and no tool can reach
+    its parent to replace it.
     """
     real: list[str] = []
     for root in roots:
@@ -462,7 +514,56 @@ def clean_roots(roots: Sequence[str], ids: namespaces.Ids | None = None) -> list
             log.debug("sandbox: write root %s does not exist, skipped", root)
         elif r not in real:
             real.append(r)
-    return [r for r in real if not any(o != r and _beneath(r, o) for o in real)]
+    zone = hidden.zone if hidden is not None else (lambda _p: None)
+    return [
+        r for r in real if not any(o != r and _beneath(r, o) and zone(o) == zone(r) for o in real)
+    ]
+
+
+def outer_roots(roots: Sequence[str]) -> list[str]:
+    """The roots not inside another one (a hidden directory's roots are inside theirs)."""
+    return [r for r in roots if not any(namespaces.strictly_beneath(r, o) for o in roots)]
+
+
+def _hidden_plan(
+    roots: Sequence[str], hidden: Hidden, ids: namespaces.Ids
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], frozenset[str]]:
+    """(hidden dirs, hidden files, shown paths, pins) of a call with ``roots``.
+
+    A hidden directory that is a root (a profile's own write entry) stays visible. A
+    shown path inside one of the call's roots in the same hidden directory is writable
+    with it. Pins: the entries beneath a root that a lookup of a hidden path passes
+    through (`namespaces.lookup_chain`), except those inside hidden directories.
+    """
+    dirs = tuple(d for d in hidden.dirs if d not in roots)
+    kept = Hidden(dirs, hidden.files, hidden.named, hidden.show)
+    files = tuple(f for f in hidden.files if f not in roots)
+    show = tuple(
+        s
+        for s in hidden.show
+        if kept.zone(s) is not None
+        and not any(_beneath(s, r) and kept.zone(r) == kept.zone(s) for r in roots)
+    )
+    outer = [r for r in roots if kept.zone(r) is None]
+    targets = (*dirs, *files, *hidden.named)
+    pins: set[str] = set()
+    if any(namespaces.strictly_beneath(t, r) for t in targets for r in outer):
+        seen: dict[str, os.stat_result | None] = {}
+        for name in hidden.named:
+            for entry in namespaces.lookup_chain(name, seen):
+                if (
+                    entry not in dirs
+                    and entry not in files
+                    and entry not in roots
+                    and kept.holding(entry) is None
+                    and any(namespaces.strictly_beneath(entry, r) for r in outer)
+                ):
+                    pins.add(entry)
+        for entry in pins:
+            st = seen[entry]
+            if st is not None:
+                ids.setdefault(entry, (st.st_dev, st.st_ino))
+    return dirs, files, show, frozenset(pins)
 
 
 def prepare(
@@ -472,7 +573,7 @@ def prepare(
     abi: int | None = None,
     mount_ns: bool | None = None,
     protect: Sequence[str] | None = None,
-    hide: Sequence[str] = (),
+    hide: Sequence[str] | Hidden = (),
     netns_fd: int | None = None,
     use_seccomp: bool = True,
     rulesets: RulesetCache | None = None,
@@ -486,14 +587,17 @@ def prepare(
     write/truncate on ``/dev/null``; TCP bind and connect denied unless ``profile.network``;
     scopes: no signals to processes outside the sandbox, no abstract unix sockets.
 
+    ``hide``: paths no tool may see or change (a `Hidden`, or paths to resolve), wherever
+    they are; a root inside a hidden directory (and a shown path) is put back at its path.
     With mount namespaces (``mount_ns``, default: `namespaces.mount_namespaces()`), the rest
     of the tree is read-only at the mount level, the protected entries beneath the roots
-    (``protect``, as `ProtectedScan.find` gives them for `clean_roots`; a fresh full scan if
-    None) are read-only binds, and ``hide``
-    (existing paths not covering a root) is hidden. Without them only the protected entries
-    at the top of a root are kept, by Landlock rules per top-level entry: new top-level
-    files or directories cannot then be created (or top-level entries removed or renamed)
-    in such a root, and symlinked top-level entries are not writable through.
+    (``protect``, as `ProtectedScan.find` gives them for the `outer_roots`; a fresh full
+    scan if None) are read-only binds, and the hidden paths are covered (`MountPlan`).
+    Without them only the protected entries at the top of a root are kept, by Landlock
+    rules per top-level entry: new top-level files or directories cannot then be created
+    (or top-level entries removed or renamed) in such a root, and symlinked top-level
+    entries are not writable through; a root holding a hidden path gets such rules down
+    the way to it, which stays read-only (but readable).
 
     ``rulesets``: where Landlock rulesets made for the same roots are kept (with mount
     namespaces only: without them the rules depend on a root's entries, listed per call).
@@ -522,27 +626,31 @@ def prepare(
     if not profile.network and abi < 4 and netns is None:
         warn_once("tcp", f"Landlock ABI {abi} < 4 and no network namespace: TCP is not denied")
     ids = {} if ids is None else ids
-    roots = clean_roots(write_roots, ids) if clean is None else list(clean)
+    hidden = hide if isinstance(hide, Hidden) else resolve_hidden(hide, (), ids)
+    roots = clean_roots(write_roots, ids, hidden) if clean is None else list(clean)
     use_ns = namespaces.mount_namespaces() if mount_ns is None else mount_ns
+    dirs, files, show, pins = _hidden_plan(roots, hidden, ids)
     mounts = None
-    tops: set[str] = set()
+    tops: dict[str, frozenset[str]] = {}
     if use_ns:
         if protect is None:
-            protect = ProtectedScan(inotify=False).find(roots)
-        dirs, files = namespaces.split_hidden(hide, ids)
-        # A hidden path that holds a root is not hidden (the root would go with it).
-        dirs = tuple(d for d in dirs if not any(_beneath(r, d) for r in roots))
-        files = tuple(f for f in files if not any(_beneath(r, f) for r in roots))
-        mounts = namespaces.MountPlan(tuple(roots), tuple(protect), dirs, files)
+            protect = ProtectedScan(inotify=False).find(outer_roots(roots))
+        mounts = namespaces.MountPlan(
+            tuple(roots), tuple(protect), dirs, files, show, tuple(sorted(pins))
+        )
     else:
         warn_once(
             "mountns",
-            "no mount namespaces: only .git at the top of a write root is protected, and "
-            "metadata outside the roots (chmod, chown, utimes, xattrs) is not read-only",
+            "no mount namespaces: only .git at the top of a write root is protected, "
+            "metadata outside the roots (chmod, chown, utimes, xattrs) is not read-only, "
+            "and the hidden paths are read-only but not hidden",
         )
-        tops = {
-            r for r in roots if any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES)
-        }
+        # The way to a hidden path, beneath a root: its entries get no rule.
+        keep_out = frozenset((*pins, *dirs, *files))
+        for r in roots:
+            away = frozenset(p for p in keep_out if namespaces.strictly_beneath(p, r))
+            if away or any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES):
+                tops[r] = away
     key = None
     if rulesets is not None and not tops:
         key = _ruleset_key(abi, profile.network, roots, ids)
@@ -578,7 +686,7 @@ def prepare(
         _add_rule(fd, "/dev/null", FS_DEV_NULL & handled_fs, missing_ok=True)
         for root in roots:
             if root in tops:
-                _add_entries_except_protected(fd, root, handled_fs)
+                _add_entries_except(fd, root, handled_fs, tops[root])
             else:
                 _add_rule(fd, root, handled_fs)
     except BaseException:
@@ -612,10 +720,18 @@ def _add_rule(ruleset: int, path: str, access: int, *, missing_ok: bool = False)
         os.close(fd)
 
 
-def _add_entries_except_protected(ruleset: int, root: str, access: int) -> None:
-    with os.scandir(root) as it:
+def _add_entries_except(ruleset: int, top: str, access: int, away: frozenset[str]) -> None:
+    """Rules for the entries of ``top`` but its protected names, its symlinks and the
+    entries in ``away``; a directory in ``away`` that is not itself hidden (the way to a
+    hidden path) gets the same treatment, one level down."""
+    with os.scandir(top) as it:
         for entry in it:
             if entry.name in PROTECTED_NAMES or entry.is_symlink():
+                continue
+            if entry.path in away:
+                inner = frozenset(p for p in away if namespaces.strictly_beneath(p, entry.path))
+                if inner and entry.is_dir(follow_symlinks=False):
+                    _add_entries_except(ruleset, entry.path, access, inner)
                 continue
             try:
                 _add_rule(ruleset, entry.path, access)

@@ -569,7 +569,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
             )
         except sandbox.SandboxError as err:
             return CallResult([Content(str(err))], True)
-        return render_result(res, timeout)
+        return render_result(res, timeout, info.sandbox)
 
     async def clunk(self, handle: Handle) -> None:
         node = handle.node
@@ -585,21 +585,35 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         node.agent.procs.pop(node.proc.n, None)
 
 
-def render_result(res: ExecResult, timeout: float) -> CallResult:
-    """One text for the model: stdout, then what went wrong, said plainly."""
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def render_result(res: ExecResult, timeout: float, profile: str = "default") -> CallResult:
+    """One text for the model: stdout, then what went wrong, said plainly (``profile``:
+    the sandbox profile the call ran with, named where its limits are the reason)."""
     out = res.stdout.decode(errors="replace")
     err = res.stderr.decode(errors="replace")
     notes: list[str] = []
     is_error = False
     if res.error is not None:
         return CallResult([Content(res.error)], True)
+    if res.oom_killed:
+        notes.append(
+            "killed: the call went over its memory limit of "
+            f"{_size(res.memory_max)} (memory_max in sandbox/{profile}.toml)"
+        )
+        is_error = True
     if res.cancelled:
         notes.append("cancelled: the call was killed (process group ended)")
         is_error = True
     elif res.timed_out:
         notes.append(f"timed out after {timeout:g}s: process group killed")
         is_error = True
-    elif res.signal is not None:
+    elif res.signal is not None and not res.oom_killed:
         notes.append(f"killed by signal {res.signal}")
         is_error = True
     elif res.exit_code:

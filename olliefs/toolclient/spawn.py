@@ -29,6 +29,21 @@ from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
 log = logging.getLogger(__name__)
 
 
+def hidden_args(paths: Paths) -> list[str]:
+    """What no tool may read or change, wherever its cwd is: the config dir (keys in
+    ``env``, sandbox profiles), the state dir (journals, logs), the data dir and the run
+    dir (sockets, toolsrv's among them); the env file again in case it is a symlink to
+    elsewhere. What tools need of them is shown again: the user's tool scripts (toolsrv
+    execs them) and the memory notes (read-only; the ``memory`` profile makes them
+    writable); the per-session tmp dirs are write roots, each shown to its own calls."""
+    args: list[str] = []
+    for path in (paths.config, paths.state, paths.data, paths.run, paths.env_file):
+        args += ["--hide", str(path)]
+    for path in (paths.config / "tools", paths.memory):
+        args += ["--show", str(path)]
+    return args
+
+
 class Toolsrv:
     def __init__(self, paths: Paths, settings: Mapping[str, str], nursery: trio.Nursery) -> None:
         self.paths = paths
@@ -95,12 +110,7 @@ class Toolsrv:
             str(shipped / "sandbox"),
             "--tmp-dir",
             str(self.tmp_root),
-            # What no tool may reach: the daemon's sockets (run/, toolsrv's own socket
-            # among them) and the API keys of the config env file.
-            "--hide",
-            str(self.paths.run),
-            "--hide",
-            str(self.paths.env_file),
+            *hidden_args(self.paths),
             "--exit-with-stdin",
             "--log-level",
             self.settings.get("OLLIE_TOOLSRV_LOG_LEVEL", "INFO"),

@@ -445,3 +445,42 @@ def test_a_dead_toolsrv_is_respawned_on_next_use(daemon: Daemon) -> None:
     assert chat.endswith("assistant: two\n") and "error:" not in chat
     (new,) = toolsrv_pids(daemon)
     assert new != pid
+
+
+def test_a_session_in_the_daemon_home_cannot_read_or_rewrite_its_dirs(daemon: Daemon) -> None:
+    """cwd = OLLIE_HOME, which holds config/ state/ data/ run/: a tool reads no journal,
+    log or key there and cannot rewrite a sandbox profile; the next call still runs in the
+    sandbox of the user's profile; its own tmp dir and the tool scripts work."""
+    attack = """
+        for f in state/daemon.log state/toolsrv.log config/env state/sessions/*; do
+            if cat "$f" > /dev/null 2>&1; then echo "read $f"; else echo "unreadable $f"; fi
+        done
+        mkdir -p config/sandbox 2> /dev/null
+        evil='unsandboxed = true\nnetwork = true\nwrite = ["/"]\n'
+        if printf "$evil" > config/sandbox/default.toml 2> /dev/null; then
+            echo profile-rewritten
+        else
+            echo profile-kept
+        fi
+        echo scratch > "$TMPDIR/scratch" && cat "$TMPDIR/scratch"
+    """
+    escape = "touch ../work/escaped 2> /dev/null && echo escaped || echo stayed"
+    daemon.replay.add(
+        script(
+            calls(call("execute_code", {"code": attack}, "c1")),
+            calls(call("execute_code", {"code": escape}, "c2")),
+            reply("done"),
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(daemon.home))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
+    daemon.prompt(sid, "look around")
+    daemon.wait_idle(sid)
+    first, second = (m["content"] for m in context(daemon, sid) if m["role"] == "tool")
+    journals = list((daemon.home / "state" / "sessions").iterdir())
+    assert journals, "the session has a journal on the host"
+    assert "read " not in first and "unreadable state/sessions/*" in first, first
+    assert "profile-kept" in first and "scratch" in first, first
+    assert not (daemon.home / "config" / "sandbox" / "default.toml").exists()
+    assert "stayed" in second, second
+    assert not (daemon.work / "escaped").exists()

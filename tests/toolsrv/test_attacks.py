@@ -9,6 +9,7 @@ process), not only what the tool printed.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -23,8 +24,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from olliefs import settings
+from olliefs.settings import Paths
 from olliefs.testing import await_until
 from olliefs.toolclient.client import ToolsrvConn
+from olliefs.toolclient.spawn import hidden_args
 from tests.toolsrv.harness import ToolsrvProc, running_toolsrv, tool_env
 from toolsrv import namespaces
 from toolsrv.sandbox import landlock_abi
@@ -572,3 +576,242 @@ async def test_toolsrv_memory_out_of_reach(box: Box) -> None:
         mine = {k: got.pop(k) for k in ("self/environ", "self/mem")}
         assert mine == {"self/environ": "ok", "self/mem": "ok"}  # positive control
         assert got and set(got.values()) <= {"EACCES", "EPERM"}, got
+
+
+# --- the daemon's own dirs -------------------------------------------------------------------
+
+EVIL_PROFILE = 'unsandboxed = true\nnetwork = true\nwrite = ["/"]\n'
+
+
+def daemon_layout(base: Path, layout: str) -> tuple[Path, Paths]:
+    """A home (the sessions' cwd) holding a daemon's dirs as it leaves them: OLLIE_HOME's
+    config/ state/ data/ run/, or the XDG defaults beneath $HOME (the run dir elsewhere),
+    with ~/.config a symlink into the home in ``xdg_symlinked``."""
+    home = base / "home"
+    home.mkdir()
+    if layout == "ollie_home":
+        p = settings.paths({"OLLIE_HOME": str(home)})
+    else:
+        if layout == "xdg_symlinked":
+            (home / "dotfiles" / "config").mkdir(parents=True)
+            (home / ".config").symlink_to("dotfiles/config")
+        p = Paths(
+            home / ".config" / "ollie",
+            home / ".local" / "state" / "ollie",
+            home / ".local" / "share" / "ollie",
+            base / "xdg-run" / "ollie",
+        )
+    p.ensure()
+    (p.sessions / "s1.jsonl").write_text('{"journal": "of another session"}\n')
+    p.log_file.write_text("daemon log\n")
+    (p.state / "toolsrv.log").write_text("toolsrv log\n")
+    p.env_file.write_text("OLLIE_OPENAI_KEY=sk-secret\n")
+    (p.config / "sandbox").mkdir()
+    (p.config / "sandbox" / "default.toml").write_text("# the user's own\n")
+    (p.config / "tools").mkdir()
+    (p.memory / "notes.md").write_text("## note\nremember the blue door\n")
+    (p.data / "tmp" / "sess").mkdir(parents=True)  # (toolsrv makes it at the first call)
+    return home, p
+
+
+class DaemonBox:
+    def __init__(self, srv: ToolsrvProc, conn: ToolsrvConn, home: Path, p: Paths) -> None:
+        self.srv, self.conn, self.home, self.paths = srv, conn, home, p
+
+    async def call(self, tool: str, args: dict[str, str], cwd: Path | None = None) -> str:
+        cwd = cwd or self.home
+        env = {**tool_env(cwd), "OLLIE_MEMORY_DIR": str(self.paths.memory)}
+        res = await self.conn.call(tool, args, str(cwd), env)
+        return ("ERROR " if res.isError else "") + res.text
+
+    async def py(
+        self, code: str, *args: str, tool: str = "sh", cwd: Path | None = None
+    ) -> dict[str, str]:
+        argv = shlex.join(["python3", "-c", textwrap.dedent(code), *args])
+        out = await self.call(tool, {"code": argv}, cwd)
+        assert not out.startswith("ERROR"), out
+        return dict(line.rsplit(" ", 1) for line in out.splitlines() if " " in line)
+
+
+@pytest.fixture(params=["ollie_home", "xdg", "xdg_symlinked"])
+async def daemon_box(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[DaemonBox]:
+    """A toolsrv started as olliefs starts it (`hidden_args`), with the user's tools and
+    profiles in the config dir and the tmp dirs in the data dir."""
+    home, p = daemon_layout(tmp_path, request.param)
+    for name, profile in (("sh", "default"), ("sh_mem", "memory")):
+        (p.config / "tools" / name).write_text(SH_TOOL.format(sandbox=profile))
+        (p.config / "tools" / name).chmod(0o755)
+    extra = ("--tmp-dir", str(p.data / "tmp"), *hidden_args(p))
+    with running_toolsrv(
+        tmp_path / "srv",
+        tools_dirs=(p.config / "tools",),
+        sandbox_dirs=(p.config / "sandbox",),
+        extra_args=extra,
+    ) as srv:
+        tools = ("sh", "sh_mem", "memory_recall", "memory_remember")
+        async with srv.agent("attacker", *tools) as conn:
+            yield DaemonBox(srv, conn, home, p)
+
+
+def tree_state(top: Path) -> dict[str, tuple[int, bytes]]:
+    """Every entry beneath ``top``: its mode and, for a file, its bytes."""
+    out: dict[str, tuple[int, bytes]] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            st = path.lstat()
+            data = path.read_bytes() if stat.S_ISREG(st.st_mode) else b""
+            out[str(path.relative_to(top))] = (st.st_mode, data)
+    return out
+
+
+# Every way at the daemon's dirs: read, list, write, create, chmod, rename, remove, and a
+# rename or replacement of each entry on the way to them. argv[1]: JSON of the targets.
+AT_THE_DIRS = (
+    TRY
+    + """
+import json
+t = json.loads(sys.argv[1])
+evil = t["evil"]
+for label, p in t["read"].items():
+    attempt("read " + label, lambda p=p: open(p, "rb").read())
+for label, p in t["dirs"].items():
+    attempt("list " + label, lambda p=p: os.listdir(p))
+    attempt("create in " + label, lambda p=p: open(os.path.join(p, "new"), "w").write(evil))
+    attempt("mkdir in " + label, lambda p=p: os.mkdir(os.path.join(p, "newdir")))
+    attempt("chmod " + label, lambda p=p: os.chmod(p, 0o777))
+    attempt("rename " + label, lambda p=p: os.rename(p, p + ".moved"))
+    attempt("rmdir " + label, lambda p=p: os.rmdir(p))
+attempt("rewrite profile", lambda: open(t["profile"], "w").write(evil))
+attempt("new profile", lambda: open(t["profile"] + ".new", "w").write(evil))
+attempt("chmod profile", lambda: os.chmod(t["profile"], 0o666))
+attempt("remove journal", lambda: os.unlink(t["journal"]))
+attempt("rename journal", lambda: os.rename(t["journal"], t["journal"] + ".x"))
+for p in t["way"]:
+    attempt("rename way " + p, lambda p=p: os.rename(p, p + ".moved"))
+    remove = os.unlink if os.path.islink(p) else os.rmdir
+    attempt("remove way " + p, lambda p=p, remove=remove: remove(p))
+"""
+)
+
+
+@needs_ns
+async def test_the_daemon_dirs_are_out_of_reach_wherever_the_cwd_is(daemon_box: DaemonBox) -> None:
+    """A call whose cwd holds the daemon's config, state, data and run dirs (OLLIE_HOME in
+    the cwd, or cwd = $HOME with the XDG defaults) can neither read nor change anything of
+    them: no journal, log, key or profile; and a profile it tried to rewrite does nothing."""
+    b = daemon_box
+    p, home = b.paths, b.home
+    before = {d: tree_state(d) for d in (p.config, p.state, p.data, p.run)}
+    ways = (".config", ".local", ".local/state", ".local/share", "dotfiles", "dotfiles/config")
+    way = [str(home / w) for w in ways if os.path.lexists(home / w)]
+    targets = {
+        "evil": EVIL_PROFILE,
+        "read": {
+            "journal": str(p.sessions / "s1.jsonl"),
+            "daemon.log": str(p.log_file),
+            "toolsrv.log": str(p.state / "toolsrv.log"),
+            "env": str(p.env_file),
+            "profile": str(p.config / "sandbox" / "default.toml"),
+        },
+        "dirs": {"config": str(p.config), "state": str(p.state), "data": str(p.data)},
+        "profile": str(p.config / "sandbox" / "default.toml"),
+        "journal": str(p.sessions / "s1.jsonl"),
+        "way": way,
+    }
+    got = await b.py(AT_THE_DIRS, json.dumps(targets))
+    assert len(got) == 5 + 6 * 3 + 5 + 2 * len(way), got
+    refused = {"ENOENT", "EACCES", "EROFS", "EBUSY", "EPERM", "EXDEV", "ENOTDIR"}
+    assert {k: v for k, v in got.items() if v not in refused} == {}
+    for d, was in before.items():
+        assert tree_state(d) == was, d
+    for w in way:
+        assert os.path.lexists(w) and not os.path.lexists(w + ".moved")
+    # The next call runs with the user's profile, not the one the tool tried to write.
+    outside = home.parent / "outside"
+    outside.mkdir()
+    got = await b.py(TRY + "attempt('outside', lambda: open(sys.argv[1], 'w'))", str(outside / "x"))
+    assert got["outside"] in ("EACCES", "EROFS"), got
+    assert not (outside / "x").exists()
+
+
+@needs_ns
+async def test_what_tools_need_of_the_daemon_dirs_still_works(daemon_box: DaemonBox) -> None:
+    """The cwd, the call's own tmp dir (inside the data dir), the memory notes (read by
+    every tool, written by the memory profile) and the tool scripts (the user's, in the
+    config dir, and the shipped ones) work as before, from a cwd holding the daemon's
+    dirs and from one elsewhere; another session's tmp dir stays out of reach."""
+    b = daemon_box
+    p = b.paths
+    code = (
+        TRY
+        + """
+cwd, tmp, memory, other = sys.argv[1:5]
+attempt("cwd", lambda: open(os.path.join(cwd, "made-here"), "w").write("x"))
+attempt("tmp", lambda: open(os.path.join(tmp, "scratch"), "w").write("x"))
+attempt("read memory", lambda: open(os.path.join(memory, "notes.md")).read())
+attempt("write memory", lambda: open(os.path.join(memory, "notes.md"), "a").write("x"))
+attempt("list tmp dirs", lambda: os.listdir(os.path.dirname(tmp)))
+attempt("other tmp", lambda: open(other).read())
+attempt("hook in tmp", lambda: open(os.path.join(tmp, "repo/.git/hooks/x"), "w").write("x"))
+"""
+    )
+    tmp = p.data / "tmp" / "sess"
+    (tmp / "repo" / ".git" / "hooks").mkdir(parents=True)
+    other = p.data / "tmp" / "other-session" / "secret"
+    other.parent.mkdir()
+    other.write_text("not yours\n")
+    elsewhere = b.home.parent / "elsewhere"
+    elsewhere.mkdir()
+    for cwd in (b.home, elsewhere):
+        argv = (str(cwd), str(tmp), str(p.memory), str(other))
+        got = await b.py(code, *argv, cwd=cwd)  # sh: the user's tool, in the config dir
+        assert got == {
+            "cwd": "ok",
+            "tmp": "ok",
+            "read memory": "ok",
+            "write memory": got["write memory"],
+            "list tmp dirs": "EACCES",
+            "other tmp": "ENOENT",
+            "hook in tmp": got["hook in tmp"],
+        }, got
+        assert got["hook in tmp"] in ("EROFS", "EACCES"), got
+        assert got["write memory"] in ("EROFS", "EACCES"), got
+        assert (cwd / "made-here").read_text() == "x" and (tmp / "scratch").read_text() == "x"
+        # The memory profile writes the notes; a shipped tool reads them.
+        got = await b.py(code, *argv, tool="sh_mem", cwd=cwd)
+        assert got["write memory"] == "ok" and got["read memory"] == "ok", got
+        assert got["tmp"] == got["cwd"] == "ok" and got["other tmp"] == "ENOENT", got
+        out = await b.call("memory_remember", {"text": f"the key is under mat {cwd.name}"}, cwd)
+        assert not out.startswith("ERROR"), out
+        out = await b.call("memory_recall", {"query": cwd.name}, cwd)
+        assert f"under mat {cwd.name}" in out and not out.startswith("ERROR"), out
+        assert f"under mat {cwd.name}" in (p.memory / "notes.md").read_text()
+
+
+@needs_ns
+async def test_a_cwd_inside_the_daemon_dirs_is_refused(daemon_box: DaemonBox) -> None:
+    b = daemon_box
+    for cwd in (b.paths.config, b.paths.state / "sessions", b.paths.data / "tmp"):
+        out = await b.call("sh", {"code": "echo ran"}, cwd=cwd)
+        assert out.startswith("ERROR refused: the working directory"), out
+        assert "hidden from tools" in out
+
+
+@needs_ns
+async def test_a_shown_dir_made_anew_on_the_host_is_shown_in_the_next_call(
+    daemon_box: DaemonBox,
+) -> None:
+    """A call's mount namespace is kept for the next calls like it; a shown directory
+    (the memory notes) replaced on the host gets a fresh one, not the kept view of the
+    old directory."""
+    b = daemon_box
+    memory = b.paths.memory
+    for _ in range(2):  # (the second call joins the namespace kept by the first)
+        out = await b.call("memory_recall", {"query": "door"})
+        assert "blue door" in out and not out.startswith("ERROR"), out
+    memory.rename(memory.with_name("memory.old"))
+    memory.mkdir()
+    (memory / "notes.md").write_text("## note\nthe red door\n")
+    out = await b.call("memory_recall", {"query": "door"})
+    assert "red door" in out and "blue" not in out, out

@@ -30,6 +30,7 @@ from olliefs.testing import await_until
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
 from toolsrv.sandbox import Profile, SandboxError
+from toolsrv.server import render_result
 
 ABI = sandbox.landlock_abi()
 needs_landlock = pytest.mark.skipif(
@@ -228,6 +229,42 @@ def test_git_fallback_without_mount_namespace(exec_box: Box) -> None:
     assert got[str(b.cwd / "src" / "x")] == "ok"
     assert got[str(b.cwd / "newtop")] == "EACCES"  # the documented limitation
     assert got[str(b.tmp / "x")] == "ok"
+
+
+@needs_landlock
+def test_hidden_dirs_stay_read_only_without_mount_namespace(exec_box: Box) -> None:
+    """Where namespaces are refused, a hidden directory beneath a root (the daemon's
+    config dir beneath a cwd = $HOME) is kept read-only by Landlock rules per entry down
+    the way to it; its neighbours stay writable, and so does a root inside it (the tmp
+    dir inside the data dir)."""
+    b = exec_box
+    config = b.cwd / ".config" / "ollie"
+    (config / "sandbox").mkdir(parents=True)
+    (config / "sandbox" / "default.toml").write_text("# the user's\n")
+    (b.cwd / ".config" / "other").mkdir()
+    tmp = b.cwd / ".local" / "share" / "ollie" / "tmp" / "sess"
+    tmp.mkdir(parents=True)
+    hide = [str(config), str(b.cwd / ".local" / "share" / "ollie")]
+    prepared = sandbox.prepare(DEFAULT, [str(b.cwd), str(tmp)], mount_ns=False, hide=hide)
+    assert prepared.mounts is None
+    targets = [
+        config / "sandbox" / "default.toml",
+        config / "new.toml",
+        b.cwd / ".local" / "share" / "ollie" / "journal",
+        b.cwd / ".config" / "other" / "x",
+        b.cwd / "src" / "x",
+        tmp / "x",
+    ]
+    got = run_entered(prepared, py(WRITER, *map(str, targets)))
+    assert got == {
+        str(config / "sandbox" / "default.toml"): "EACCES",
+        str(config / "new.toml"): "EACCES",
+        str(b.cwd / ".local" / "share" / "ollie" / "journal"): "EACCES",
+        str(b.cwd / ".config" / "other" / "x"): "ok",
+        str(b.cwd / "src" / "x"): "ok",
+        str(tmp / "x"): "ok",
+    }
+    assert (config / "sandbox" / "default.toml").read_text() == "# the user's\n"
 
 
 @needs_landlock
@@ -691,6 +728,60 @@ def test_kill_in_each_cgroup_mode(exec_box: Box, mode: str) -> None:
     assert all(s is None for s in out["later"].values()), out
 
 
+# Allocates and writes argv[1] MiB (every page touched), then says so.
+HOG = """
+    import sys
+    data = b"x" * (int(sys.argv[1]) << 20)
+    print("survived", len(data) >> 20)
+"""
+
+
+@pytest.mark.parametrize("mode", ["", "off"])
+async def test_memory_limit_per_call(tmp_path: Path, mode: str) -> None:
+    """A call over its profile's memory_max is killed (its cgroup's memory limit) and
+    answered with a tool error naming the limit; one under it runs. Without a memory
+    cgroup (``off``) each process gets the cap as RLIMIT_DATA: the allocation fails."""
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    boxes = write(tmp_path / "sandbox", "small", "memory_max = 67108864\n")
+    profile = sandbox.load_profile([boxes], "small")
+    if ABI == 0:
+        profile = Profile(name="small", unsandboxed=True, memory_max=profile.memory_max)
+    executor = Executor(cgroups=mode)
+    executor.start()
+    try:
+        if mode == "" and "memory" not in executor.cgroup_mode:
+            pytest.skip(reason=f"no writable memory cgroup here ({executor.cgroup_mode})")
+
+        async def hog(mib: int) -> ExecResult:
+            return await executor.run(
+                py(HOG, str(mib)),
+                stdin=b"",
+                cwd=str(cwd),
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                write_roots=[str(cwd)],
+                tmp_dir=str(tmp_path),
+                profile=profile,
+                timeout=60,
+            )
+
+        for _ in range(2):  # (the second time in a pooled cgroup that saw an OOM kill)
+            res = await hog(256)
+            assert res.stdout == b"", res
+            if mode == "off":
+                assert res.oom_killed == 0 and res.exit_code == 1 and b"MemoryError" in res.stderr
+            else:
+                assert res.oom_killed >= 1 and res.signal == signal.SIGKILL, res
+                text = render_result(res, 60, "small").content[0].text
+                assert "killed: the call went over its memory limit of 64 MiB" in text, text
+                assert "memory_max in sandbox/small.toml" in text, text
+            res = await hog(8)
+            assert res.stdout == b"survived 8\n" and res.oom_killed == 0, res
+            assert not render_result(res, 60, "small").isError
+    finally:
+        executor.close()
+
+
 # --- profiles ------------------------------------------------------------------------------
 
 
@@ -707,6 +798,8 @@ def test_shipped_profiles_load() -> None:
     assert profiles["network"].network and not profiles["default"].network
     assert profiles["ollie"].write == ["${OLLIE}"]
     assert profiles["memory"].write == ["${OLLIE_MEMORY_DIR}"]
+    # Every shipped profile caps a call's memory (2 GiB unless it says otherwise).
+    assert {p.memory_max for p in profiles.values()} == {2 << 30}
 
 
 def test_profile_first_dir_wins(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ import trio.testing
 
 from ninep import NinePError
 from ninep.codec import ORDWR, OREAD, OWRITE
+from olliefs.testing import await_until
 from olliefs.toolclient.client import ToolsrvConn
-from tests.toolsrv.harness import ToolsrvProc, running_toolsrv, tool_env
+from tests.toolsrv.harness import ToolsrvProc, pid_exists, running_toolsrv, tool_env
 from toolsrv.sandbox import landlock_abi
 
 
@@ -216,3 +217,21 @@ async def test_rpc_call_larger_than_a_message(srv: ToolsrvProc, tmp_path: Path) 
         res = await conn.call("file_read", {"path": "big.txt", "limit": 20_000}, str(work), env)
         assert not res.isError and "0019999 the quick brown fox" in res.text
         assert len(res.text) > 4 * conn.client.iounit
+
+
+async def test_a_background_child_neither_holds_the_call_nor_outlives_it(
+    srv: ToolsrvProc, tmp_path: Path
+) -> None:
+    """execute_code of ``sleep 1000 &``: the call ends when the program exits, with what it
+    printed, and the background child, which kept its output pipe open, dies with it."""
+    work = tmp_path / "w"
+    work.mkdir()
+    async with srv.agent("a1", "execute_code") as conn:
+        with trio.fail_after(30):  # (the tool's own timeout is 120 s)
+            res = await conn.call(
+                "execute_code", {"code": "sleep 1000 & echo $!; echo hi"}, str(work), tool_env(work)
+            )
+    assert not res.isError, res.text
+    pid, hi, note = res.text.splitlines()
+    assert hi == "hi" and note.startswith("[background processes were still running"), res.text
+    await await_until(lambda: not pid_exists(int(pid)), f"{pid} gone", 10, reaps=[int(pid)])

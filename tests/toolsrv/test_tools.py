@@ -9,6 +9,7 @@ would, not this venv's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -587,3 +588,36 @@ def test_client_9p_errors(run: Run, ollie: Path, env: dict[str, str]) -> None:
     assert "data must be a string" in err
     assert "op must be" in fails(run("client_9p", {"op": "rm", "path": "ctl"}), "client_9p")
     assert "path must be" in fails(run("client_9p", {"op": "read"}), "client_9p")
+
+
+def test_execute_code_ends_with_the_program_not_its_background_children(
+    env: dict[str, str], cwd: Path
+) -> None:
+    """A background child that keeps the output pipe open holds nothing: the result is
+    what the program printed, with a note; a child that writes on and on neither."""
+    for code, expect in (
+        ("sleep 1000 & echo hi", "hi\n"),
+        ("yes &\nprintf 'done\\n' >&2", ""),
+    ):
+        proc = subprocess.Popen(
+            [str(TOOLS / "execute_code")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,  # (its group is the children's, ended below)
+        )
+        try:
+            out, err = proc.communicate(json.dumps({"code": code}).encode(), timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # (yes dies of SIGPIPE)
+                os.killpg(proc.pid, 9)
+            proc.wait()
+        assert (proc.returncode, err) == (0, b""), (out, err)
+        text = out.decode()
+        assert text.startswith(expect), text
+        assert text.endswith(
+            "[background processes were still running when the program exited: "
+            "they end with this call]\n"
+        ), text

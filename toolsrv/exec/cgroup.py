@@ -1,8 +1,17 @@
-"""Per-call cgroups: a process cap (``pids.max``) and a kill switch for a whole call.
+"""Per-call cgroups: a process cap (``pids.max``), a memory cap, and a kill switch for a
+whole call.
 
 `detect` finds a writable place for them once per executor; `CgroupBackend` hands out one
 cgroup per call, pooled. Every process a call starts lands in its cgroup, including those
 that called setsid() to leave the call's process group, so killing the cgroup ends the call.
+
+Memory: cgroup v2 ``memory.max`` with ``memory.swap.max`` 0 and ``memory.oom.group`` (the
+kernel kills the whole call when it must kill), in the call's own cgroup; or, where the
+memory controller is a v1 hierarchy of its own (hybrid setups), a cgroup of the same name
+there with ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` equal (no swap),
+which the spawning thread joins by its thread id, as v1 ``pids``. The kernel's count of
+OOM kills in the cgroup (``oom_kill`` in memory.events, v2, or memory.oom_control, v1) is
+read once at the end of a call: a rise means the limit killed a process of it.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ import contextlib
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 
 import trio
@@ -30,12 +40,41 @@ class Cgroup:
     join_fd: int  # v1: tasks (a thread id joins), v2: cgroup.procs (a pid joins)
     pids_max: int = 0
     current_fd: int = -1  # v1: pids.current, read again with pread (kept across calls)
+    mem_path: str | None = None  # where its memory files are (None: no memory cgroup)
+    mem_join_fd: int = -1  # v1 memory hierarchy: its tasks (a thread id joins)
+    mem_max: int = -1  # the memory limit written (0: none; -1: never written)
+    oom_fd: int = -1  # memory.events (v2) or memory.oom_control (v1), read with pread
+    oom_kills: int = 0  # the kernel's oom_kill count there after the last call
+
+    def join_thread(self, version: int) -> None:
+        """Move the calling thread into the cgroups that a thread joins by its id (v1):
+        what it spawns starts there."""
+        tid = str(threading.get_native_id()).encode()
+        if version == 1:
+            os.write(self.join_fd, tid)
+        if self.mem_join_fd >= 0:
+            os.write(self.mem_join_fd, tid)
+
+    def new_oom_kills(self) -> int:
+        """Processes the memory limit killed since the last look (one pread)."""
+        if self.oom_fd < 0:
+            return 0
+        try:
+            data = os.pread(self.oom_fd, 4096, 0)
+        except OSError:
+            return 0
+        m = re.search(rb"^oom_kill (\d+)$", data, re.M)
+        if m is None:
+            return 0
+        count = int(m.group(1))
+        new, self.oom_kills = count - self.oom_kills, count
+        return max(new, 0)
 
     def close(self) -> None:
-        for fd in (self.join_fd, self.current_fd):
+        for fd in (self.join_fd, self.current_fd, self.mem_join_fd, self.oom_fd):
             if fd >= 0:
                 os.close(fd)
-        self.join_fd = self.current_fd = -1
+        self.join_fd = self.current_fd = self.mem_join_fd = self.oom_fd = -1
 
 
 class CgroupBackend:
@@ -46,10 +85,19 @@ class CgroupBackend:
     that died are removed (their processes killed) by the next server that starts.
     """
 
-    def __init__(self, version: int, base: str, limits: bool) -> None:
+    def __init__(
+        self, version: int, base: str, limits: bool, *, memory: int = 0, mem_base: str = ""
+    ) -> None:
+        """``memory``: 2 when the calls' cgroups (v2) have the memory controller, 1 when
+        it is a v1 hierarchy with the calls' memory cgroups under ``mem_base``, 0 none."""
         self.version = version
         self.base = base
         self.limits = limits
+        self.memory = memory
+        self.mem_base = mem_base
+        self.memsw = memory == 1 and os.path.exists(
+            os.path.join(mem_base, "memory.memsw.limit_in_bytes")
+        )
         self.kill_file = False
         self._pool: list[Cgroup] = []
         self._n = 0
@@ -58,9 +106,19 @@ class CgroupBackend:
     @property
     def mode(self) -> str:
         what = "pids" if self.limits else "kill only"
+        if self.memory == 2:
+            what += ", memory"
+        elif self.memory == 1:
+            what += f", v1 memory ({self.mem_base})"
         return f"v{self.version} {what} ({self.base})"
 
-    def acquire(self, max_procs: int) -> Cgroup:
+    @property
+    def joins_threads(self) -> bool:
+        """Whether a spawning thread joins the call's cgroups (v1 pids or memory), which
+        costs an RCU grace period: a spare thread does it ahead."""
+        return self.version == 1 or self.memory == 1
+
+    def acquire(self, max_procs: int, memory_max: int = 0) -> Cgroup:
         if self._pool:
             cg = self._pool.pop()
         else:
@@ -81,17 +139,58 @@ class CgroupBackend:
             cg = Cgroup(path, fd)
             if self.version == 2:
                 self.kill_file = os.path.exists(os.path.join(path, "cgroup.kill"))
+            try:
+                self._add_memory(cg)
+            except OSError as err:
+                log.warning("no memory cgroup for %s: %s", path, err.strerror)
         try:
-            self.set_limit(cg, max_procs)
+            self.set_limit(cg, max_procs, memory_max)
         except OSError:
             self.release(cg)
             raise
         return cg
 
-    def set_limit(self, cg: Cgroup, max_procs: int) -> None:
+    def _add_memory(self, cg: Cgroup) -> None:
+        if self.memory == 2:
+            cg.mem_path = cg.path
+            # No swap: a call over its limit is stopped, not paged out at the host's cost.
+            # One OOM kill takes the whole call: its processes are one job.
+            for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                with contextlib.suppress(FileNotFoundError):
+                    write_file(os.path.join(cg.path, name), value)
+            cg.oom_fd = os.open(os.path.join(cg.path, "memory.events"), os.O_RDONLY | os.O_CLOEXEC)
+        elif self.memory == 1:
+            path = os.path.join(self.mem_base, os.path.basename(cg.path))
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path)
+            cg.mem_path = path
+            flags = os.O_CLOEXEC
+            cg.mem_join_fd = os.open(os.path.join(path, "tasks"), os.O_WRONLY | flags)
+            cg.oom_fd = os.open(os.path.join(path, "memory.oom_control"), os.O_RDONLY | flags)
+        if cg.oom_fd >= 0:
+            cg.new_oom_kills()  # the count so far (a cgroup left by an earlier backend)
+
+    def set_limit(self, cg: Cgroup, max_procs: int, memory_max: int = 0) -> None:
         if self.limits and cg.pids_max != max_procs:
             write_file(os.path.join(cg.path, "pids.max"), str(max_procs))
             cg.pids_max = max_procs
+        if cg.mem_path is not None and cg.mem_max != memory_max:
+            self._set_memory(cg.mem_path, memory_max, cg.mem_max)
+            cg.mem_max = memory_max
+
+    def _set_memory(self, path: str, value: int, old: int) -> None:
+        if self.memory == 2:
+            write_file(os.path.join(path, "memory.max"), str(value) if value else "max")
+            return
+        files = ["memory.limit_in_bytes"]
+        if self.memsw:
+            # memory+swap may never be below memory: lowered after it, raised before it.
+            files.append("memory.memsw.limit_in_bytes")
+            raising = value == 0 or (old > 0 and value > old)
+            if raising:
+                files.reverse()
+        for name in files:
+            write_file(os.path.join(path, name), str(value) if value else "-1")
 
     def pids(self, cg: Cgroup) -> list[int]:
         """Processes in the cgroup. Our own pid shows in v1 while the spawning thread is
@@ -156,34 +255,49 @@ class CgroupBackend:
             self._pool.append(cg)
             return
         cg.close()
-        try:
-            os.rmdir(cg.path)
-        except OSError as err:
-            log.warning("cannot remove cgroup %s: %s", cg.path, err.strerror)
+        for path in (cg.path, cg.mem_path if self.memory == 1 else None):
+            if path is None:
+                continue
+            try:
+                os.rmdir(path)
+            except OSError as err:
+                log.warning("cannot remove cgroup %s: %s", path, err.strerror)
 
     def close(self) -> None:
         while self._pool:
             cg = self._pool.pop()
             cg.close()
-            with contextlib.suppress(OSError):
-                os.rmdir(cg.path)
+            for path in (cg.path, cg.mem_path if self.memory == 1 else None):
+                if path is not None:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path)
 
     def remove_stale(self) -> None:
         """Remove call cgroups of servers that are gone, killing what is left in them."""
+        for base in (self.base, self.mem_base if self.memory == 1 else ""):
+            if base:
+                self._remove_stale(base)
+
+    def _remove_stale(self, base: str) -> None:
         try:
-            names = os.listdir(self.base)
+            names = os.listdir(base)
         except OSError:
             return
         for name in names:
             m = re.fullmatch(r"(\d+)-\d+", name)
             if m is None or int(m.group(1)) == self._me or _alive(int(m.group(1))):
                 continue
-            stale = Cgroup(os.path.join(self.base, name), -1)
+            stale = Cgroup(os.path.join(base, name), -1)
             for _ in range(100):
-                if not self.pids(stale):
+                left = self.pids(stale)
+                if not left:
                     break
-                with contextlib.suppress(OSError):
-                    self.kill(stale)
+                if base == self.base:
+                    with contextlib.suppress(OSError):
+                        self.kill(stale)
+                for pid in left if base != self.base else ():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, 9)
             with contextlib.suppress(OSError):
                 os.rmdir(stale.path)
 
@@ -236,26 +350,26 @@ def _cgroup_dir(mountpoint: str, mount_root: str, path: str) -> str | None:
     return os.path.normpath(os.path.join(mountpoint, path.lstrip("/")))
 
 
-def _enable_pids(parent: str, base: str) -> bool:
-    """Enable the pids controller for children of ``base`` (and so in ``parent``)."""
+def _enable(parent: str, base: str, controller: str) -> bool:
+    """Enable ``controller`` for children of ``base`` (and so in ``parent``)."""
     try:
         for d in (parent, base):
-            if "pids" not in read_file(os.path.join(d, "cgroup.subtree_control")).split():
-                write_file(os.path.join(d, "cgroup.subtree_control"), "+pids")
+            if controller not in read_file(os.path.join(d, "cgroup.subtree_control")).split():
+                write_file(os.path.join(d, "cgroup.subtree_control"), "+" + controller)
     except OSError as err:
-        log.debug("cgroup: cannot enable pids under %s: %s", parent, err.strerror)
+        log.debug("cgroup: cannot enable %s under %s: %s", controller, parent, err.strerror)
         return False
     return True
 
 
 def _v2_base(parent: str, want_pids: bool) -> CgroupBackend | None:
     base = os.path.join(parent, "toolsrv")
-    if want_pids:
-        try:
-            if "pids" not in read_file(os.path.join(parent, "cgroup.controllers")).split():
-                return None
-        except OSError:
-            return None
+    try:
+        controllers = read_file(os.path.join(parent, "cgroup.controllers")).split()
+    except OSError:
+        controllers = []
+    if want_pids and "pids" not in controllers:
+        return None
     created = False
     try:
         os.mkdir(base)
@@ -266,12 +380,31 @@ def _v2_base(parent: str, want_pids: bool) -> CgroupBackend | None:
         return None
     if not os.access(os.path.join(base, "cgroup.procs"), os.W_OK):
         return None
-    if want_pids and not _enable_pids(parent, base):
+    if want_pids and not _enable(parent, base, "pids"):
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(base)
         return None
-    return CgroupBackend(2, base, limits=want_pids)
+    memory = 2 if "memory" in controllers and _enable(parent, base, "memory") else 0
+    return CgroupBackend(2, base, limits=want_pids, memory=memory)
+
+
+def _v1_memory(mounts: list[tuple[str, str, str, list[str]]], own: dict[str, str]) -> str | None:
+    """A writable place for calls' memory cgroups in a v1 memory hierarchy, if any."""
+    for root, mountpoint, fstype, opts in mounts:
+        if fstype != "cgroup" or "memory" not in opts or "memory" not in own:
+            continue
+        d = _cgroup_dir(mountpoint, root, own["memory"])
+        if d is None:
+            continue
+        base = os.path.join(d, "toolsrv")
+        with contextlib.suppress(OSError):
+            os.makedirs(base, exist_ok=True)
+        if os.access(os.path.join(base, "tasks"), os.W_OK) and os.path.exists(
+            os.path.join(base, "memory.limit_in_bytes")
+        ):
+            return base
+    return None
 
 
 def detect(want: str = "") -> CgroupBackend | None:
@@ -284,9 +417,13 @@ def detect(want: str = "") -> CgroupBackend | None:
        A non-root cgroup holding processes cannot enable controllers for its children.
     3. cgroup v2 without controllers under our own cgroup: no cap, but still a kill switch.
 
+    Memory: the v2 memory controller where the calls' v2 cgroups can have it, else a v1
+    memory hierarchy (under our own cgroup there) if one is mounted and writable.
+
     ``want``: ``off`` disables cgroups (then the process group, the reaper and RLIMIT_NPROC
-    do the job), ``v1`` or ``v2`` allows only that version, empty: any. Cgroups that servers
-    now gone left behind are removed on the way (their processes killed).
+    do the job, and RLIMIT_DATA caps memory per process), ``v1`` or ``v2`` allows only that
+    version, empty: any. Cgroups that servers now gone left behind are removed on the way
+    (their processes killed).
     """
     want = want.lower()
     if want in ("0", "off", "no", "false", "none"):
@@ -330,6 +467,12 @@ def detect(want: str = "") -> CgroupBackend | None:
             )
             if backend is not None:
                 break
+    if backend is not None and backend.memory == 0 and want != "v2":
+        mem_base = _v1_memory(mounts, own)
+        if mem_base is not None:
+            backend = CgroupBackend(
+                backend.version, backend.base, backend.limits, memory=1, mem_base=mem_base
+            )
     if backend is not None:
         backend.remove_stale()
     return backend

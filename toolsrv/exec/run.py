@@ -38,7 +38,8 @@ class ExecResult(msgspec.Struct):
 
     ``*_dropped`` count the bytes read past ``Profile.max_output`` and discarded. `run`
     never returns ``cancelled=True``: a cancelled call raises trio.Cancelled, and the caller
-    that cancelled it builds its own cancelled result.
+    that cancelled it builds its own cancelled result. ``oom_killed``: processes of the call
+    the kernel killed for going over ``memory_max`` (its cgroup's memory limit, in bytes).
     """
 
     exit_code: int | None = None
@@ -50,6 +51,8 @@ class ExecResult(msgspec.Struct):
     timed_out: bool = False
     cancelled: bool = False
     error: str | None = None
+    oom_killed: int = 0
+    memory_max: int = 0
 
 
 class Executor:
@@ -62,14 +65,19 @@ class Executor:
 
     ``cgroups``: ``off``, ``v1``, ``v2`` or empty for the best available (see
     `cgroup.detect`); detected on first use. ``hide``: paths no tool may see (the daemon's
-    sockets and secrets, this server's socket), hidden in each call's mount namespace.
+    config, state, data and run dirs, this server's socket), hidden in each call's mount
+    namespace wherever the call's roots are; ``show``: paths inside them that tools may
+    still read and execute (the user's tool scripts).
     The executor also owns the scan of protected entries (`ProtectedScan`) and the empty
     network namespace shared by calls without network.
     """
 
-    def __init__(self, *, cgroups: str = "", hide: Sequence[str] = ()) -> None:
+    def __init__(
+        self, *, cgroups: str = "", hide: Sequence[str] = (), show: Sequence[str] = ()
+    ) -> None:
         self._want_cgroups = cgroups
         self.hide = tuple(hide)
+        self.show = tuple(show)
         self.scan = ProtectedScan()
         self.rulesets = sandbox.RulesetCache()
         self._scan_lock = trio.Lock()  # one scan at a time (ProtectedScan is not thread-safe)
@@ -167,6 +175,17 @@ class Executor:
         protect = None
         clean = None
         ids: namespaces.Ids = {}
+        hidden = sandbox.Hidden()  # (an unsandboxed profile hides nothing)
+        if not profile.unsandboxed:
+            hidden = sandbox.resolve_hidden(self.hide, self.show, ids)
+            for root in write_roots:
+                real = namespaces.real_path(root, ids)
+                inside = hidden.holding(real) if real is not None else None
+                if inside is not None:
+                    return ExecResult(
+                        error=f"refused: the working directory {root} is inside {inside}, "
+                        "which is hidden from tools"
+                    )
         if not profile.unsandboxed and namespaces.mount_namespaces():
             lock = self._scan_lock
             try:
@@ -174,11 +193,12 @@ class Executor:
             except trio.WouldBlock:
                 await lock.acquire()
             try:
-                clean = sandbox.clean_roots(roots, ids)
-                protect = self.scan.quick(clean)
+                clean = sandbox.clean_roots(roots, ids, hidden)
+                outer = sandbox.outer_roots(clean)
+                protect = self.scan.quick(outer)
                 if protect is None:
                     # In a worker thread: a root on a slow filesystem must not stall us.
-                    protect = await trio.to_thread.run_sync(self.scan.find, clean)
+                    protect = await trio.to_thread.run_sync(self.scan.find, outer)
             finally:
                 lock.release()
         try:
@@ -186,7 +206,7 @@ class Executor:
                 profile,
                 roots,
                 protect=protect,
-                hide=self.hide,
+                hide=hidden,
                 netns_fd=None if profile.network else self.netns,
                 rulesets=self.rulesets,
                 clean=clean,
@@ -217,6 +237,7 @@ class Executor:
         cg: Cgroup | None = None
         run: _Run | None = None
         spare: Spare | None = None  # None once handed to in_fresh_thread
+        oom_seen = False  # the cgroup's OOM kill count was read for this call
         try:
             ns_cache = spawner.mount_ns
             ns_key = pins = None
@@ -239,14 +260,15 @@ class Executor:
                 try:
                     if spare is not None and spare.cg is not None:
                         cg = spare.cg  # joined ahead by the spare thread
-                        backend.set_limit(cg, profile.max_procs)
+                        backend.set_limit(cg, profile.max_procs, profile.memory_max)
                     else:
-                        cg = backend.acquire(profile.max_procs)
+                        cg = backend.acquire(profile.max_procs, profile.memory_max)
                 except OSError as err:
                     log.warning("cgroup for the call unavailable: %s", err.strerror)
             self.reaper.calls.add(call)
             thread, spare = spare, None
             capped = cg is not None and backend is not None and backend.limits
+            mem_capped = cg is not None and cg.mem_path is not None
             try:
                 proc = await spawner.in_fresh_thread(
                     partial(
@@ -258,7 +280,7 @@ class Executor:
                         prepared=prepared,
                         cg=cg,
                         version=backend.version if backend else 0,
-                        rlimits=self._rlimits(profile, capped),
+                        rlimits=self._rlimits(profile, capped, mem_capped),
                     ),
                     thread,
                 )
@@ -308,6 +330,10 @@ class Executor:
                     await watch.pump(until_exit=False)
             rc = proc.returncode
             assert rc is not None
+            oom = cg.new_oom_kills() if mem_capped and cg is not None else 0
+            oom_seen = True
+            if oom:
+                log.info("call %s: %d process(es) killed at the memory limit", argv[0], oom)
             return ExecResult(
                 exit_code=rc if rc >= 0 else None,
                 signal=-rc if rc < 0 else None,
@@ -316,6 +342,8 @@ class Executor:
                 stdout_dropped=watch.out.dropped,
                 stderr_dropped=watch.err.dropped,
                 timed_out=deadline.cancelled_caught,
+                oom_killed=oom,
+                memory_max=profile.memory_max,
             )
         finally:
             if spare is not None:  # taken but not handed a job: it keeps its cgroup
@@ -330,6 +358,8 @@ class Executor:
                 for fd in fds:
                     os.close(fd)
                 empty = run is not None and run.empty
+                if cg is not None and run is not None and not oom_seen:
+                    cg.new_oom_kills()  # (not this call's: the next one counts from here)
                 if cg is not None and backend is not None:
                     backend.release(cg, empty=empty)
                 self.reaper.calls.discard(call)
@@ -341,11 +371,17 @@ class Executor:
                 if not empty or stragglers or self.reaper.orphans():
                     await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
 
-    def _rlimits(self, profile: Profile, capped: bool) -> list[tuple[int, int]]:
+    def _rlimits(
+        self, profile: Profile, capped: bool, mem_capped: bool = False
+    ) -> list[tuple[int, int]]:
         """The limits a call's leader must start with (see `spawn_in_thread`).
 
         RLIMIT_CORE is set to 0 once on the server itself (soft limit), which every tool
-        inherits at no cost per call. RLIMIT_AS is ``max_memory``. RLIMIT_NPROC is only the
+        inherits at no cost per call. RLIMIT_AS is ``max_memory``. RLIMIT_DATA is
+        ``memory_max`` where no memory cgroup caps the call: per process, and only what a
+        process writes to (heap, anonymous writable mappings), not the address space it
+        reserves, which the JVM, V8 and Go reserve by the gigabyte without using it (under
+        RLIMIT_AS of a few GiB they do not start). RLIMIT_NPROC is only the
         fallback when no pids cgroup caps the call. It counts every process of the user, not
         of the call, so it is set to what runs now plus max_procs: the tool gets at most that
         many more. Root (uid 0) is exempt from RLIMIT_NPROC whatever its capabilities
@@ -362,6 +398,8 @@ class Executor:
         wanted: list[tuple[int, int]] = []
         if profile.max_memory:
             wanted.append((resource.RLIMIT_AS, profile.max_memory))
+        if profile.memory_max and not mem_capped:
+            wanted.append((resource.RLIMIT_DATA, profile.memory_max))
         if not capped:
             if os.geteuid() == 0:
                 sandbox.warn_once(

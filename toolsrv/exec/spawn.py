@@ -22,7 +22,6 @@ import logging
 import os
 import resource
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -51,9 +50,10 @@ class SetupError(Exception):
 class Spare:
     """A thread started ahead of time, waiting for the one job it will run before ending.
 
-    With a v1 cgroup backend the spare also takes the next call's cgroup and joins it at
-    once: joining (a write to ``tasks``) waits for an RCU grace period inside the kernel,
-    which was measured at 15-20 ms on an idle VM. Done ahead, nobody waits for it.
+    With a v1 cgroup backend (pids, or memory) the spare also takes the next call's cgroup
+    and joins it at once: joining (a write to ``tasks``) waits for an RCU grace period
+    inside the kernel, which was measured at 15-20 ms on an idle VM. Done ahead, nobody
+    waits for it.
 
     ``ahead``: a sandbox (a `Prepared.copy`, whose descriptors the spare closes) that the
     thread enters right away, for a call whose sandbox has the same `Prepared.key`, which
@@ -66,11 +66,13 @@ class Spare:
         self,
         cg: Cgroup | None = None,
         *,
+        version: int = 0,
         bounding_empty: bool = False,
         ahead: Prepared | None = None,
         key: tuple[object, ...] | None = None,
     ) -> None:
         self.cg = cg
+        self.version = version  # of the cgroup backend
         self.joined: Cgroup | None = None  # set by the thread once it joined ``cg``
         # Set by the thread once its bounding set is empty (inherited so: ``bounding_empty``).
         self.bounding_dropped = bounding_empty
@@ -93,7 +95,7 @@ class Spare:
                 log.debug("spare thread kept its bounding set: %s", err.strerror)
         if self.cg is not None:
             try:
-                os.write(self.cg.join_fd, str(threading.get_native_id()).encode())
+                self.cg.join_thread(self.version)
                 self.joined = self.cg
             except OSError as err:  # the job joins (or fails) the usual way
                 log.debug("spare thread could not join %s: %s", self.cg.path, err.strerror)
@@ -153,7 +155,8 @@ class Spawner:
 
     def _new(self, max_procs: int, ahead: Prepared | None = None) -> Spare:
         cg = None
-        if self.cgroups is not None and self.cgroups.version == 1:
+        version = self.cgroups.version if self.cgroups is not None else 0
+        if self.cgroups is not None and self.cgroups.joins_threads:
             try:
                 cg = self.cgroups.acquire(max_procs)
             except OSError as err:
@@ -161,7 +164,9 @@ class Spawner:
         key = ahead.key() if ahead is not None else None
         copy = ahead.copy() if ahead is not None and key is not None else None
         try:
-            return Spare(cg, bounding_empty=self.bounding_empty, ahead=copy, key=key)
+            return Spare(
+                cg, version=version, bounding_empty=self.bounding_empty, ahead=copy, key=key
+            )
         except BaseException:
             if copy is not None:
                 copy.close()
@@ -294,12 +299,12 @@ def spawn_in_thread(
 
     ``rlimits`` are per process, so the thread cannot pass them on: when there are any, the
     spawn forks and sets them in the child before exec (a Python ``preexec_fn``: a full
-    fork of the server, ~2 ms, paid only by profiles with ``max_memory`` and by non-root
-    servers without a pids cgroup).
+    fork of the server, ~2 ms, paid only by profiles with ``max_memory``, by servers
+    without a memory cgroup and by non-root servers without a pids cgroup).
     """
     try:
-        if cg is not None and version == 1 and thread.joined is not cg:
-            os.write(cg.join_fd, str(threading.get_native_id()).encode())
+        if cg is not None and thread.joined is not cg and (version == 1 or cg.mem_join_fd >= 0):
+            cg.join_thread(version)
         if thread.key is None:
             prepared.enter(bounding_dropped=thread.bounding_dropped)
         elif thread.ahead_error is not None:  # (the caller checked: the same sandbox)
