@@ -127,6 +127,17 @@ class Open:
     waiters: Waiters
     flags: int = 0  # the open(2) flags: access mode, O_APPEND, O_TRUNC, O_EXCL
 
+    @property
+    def walker(self) -> bool:
+        """Opened by a program that copies or searches a tree, not by a follower.
+
+        ``cp -r``/``cp -a``, ``grep -r`` and ``tar`` open every file with O_NOFOLLOW (they
+        copy a symlink as a symlink); ``cat``, ``tail -f``, shells' redirections and
+        every language's plain open do not. A walker reads a blocking file as it is
+        now: EOF at its current end, nothing from ``statewait``, and ``fifo.out`` gives
+        it nothing and takes nothing off the queue (ollie(5), COPYING AND SEARCHING)."""
+        return bool(self.flags & os.O_NOFOLLOW)
+
 
 class Node:
     key: Hashable
@@ -661,7 +672,7 @@ class LogHandle(Handle):
         self.log.let_go()
 
     async def read(self, off: int, size: int) -> bytes:
-        if self.blocking:
+        if self.blocking and not self.how.walker:
             await wait_until(
                 lambda: off < len(self.log) or self.log.closed, self.log.wait, self.how
             )
@@ -699,7 +710,7 @@ class StateWaitHandle(Handle):
         self.done = False
 
     async def read(self, off: int, size: int) -> bytes:
-        if self.done:
+        if self.done or self.how.walker:
             return b""
         cell = self.cell
         await wait_until(lambda: cell.version != self.ref or self.gone(), cell.wait, self.how)
@@ -733,6 +744,8 @@ class FifoOutHandle(Handle):
 
     async def read(self, off: int, size: int) -> bytes:
         node = self.node
+        if self.how.walker:
+            return b""
         if self.got is None:
             taken: list[str] = []
 
