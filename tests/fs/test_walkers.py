@@ -1,6 +1,6 @@
 """Programs that copy or search a whole tree, run over a session the way users run them:
-``cp -r``, ``cp -a``, ``tar``, ``rsync -a``, ``grep -r``. They finish with what the files hold now, and
-take nothing away, while followers (``cat stream``, ``cat statewait``) still wait."""
+``cp -r``, ``cp -a``, ``tar``, ``rsync -a``, ``grep -r``. They finish with what the files
+hold now, and take nothing away, while followers (``cat stream``, ``statewait``) wait."""
 
 from __future__ import annotations
 
