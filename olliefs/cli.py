@@ -307,6 +307,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         answer = pipe.readline().decode().strip()
     if answer == "ok":
         print(f"mounted at {mnt} (daemon pid {child.pid}; log {p.log_file})")
+        for addr in mounts.exports_in(p.pid_file):
+            print(f"9P export on {addr}")
         return 0
     code = child.wait()
     reason = answer or f"daemon exited with status {code}; see {p.log_file}"
@@ -428,6 +430,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"mounted at {mnt} (daemon pid {d.pid}), {d.sessions} sessions,"
                     f" state in {d.state}"
                 )
+                for addr in d.exports:
+                    print(f"9P export on {addr}")
             return LIVE
         if st.state is mounts.State.DEAD:
             return _dead(mnt)
@@ -442,6 +446,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         pid, mnt = running
         sessions = len(list(p.sessions.glob("*.jsonl")))
         print(f"mounted at {mnt} (daemon pid {pid}), {sessions} sessions, state in {p.state}")
+        for addr in mounts.exports_in(p.pid_file):
+            print(f"9P export on {addr}")
         return LIVE
     # A killed daemon leaves its pid file behind, naming the mount it left dead.
     places = [default_mountpoint()]
@@ -454,6 +460,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if mounts.status(mnt).state is mounts.State.DEAD:
             return _dead(mnt)
     print("not mounted")
+    # Mounted under another OLLIE_HOME (the demo's, a test's): say where, not just "no".
+    for d in mounts.daemons():
+        print(f"other olliefs mount: {d.mountpoint} (daemon pid {d.pid}, state in {d.state})")
     return NOT_MOUNTED
 
 

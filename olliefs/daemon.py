@@ -238,6 +238,7 @@ async def _serve(
             if ino is not None:
                 pyfuse3.invalidate_entry_async(ino, name.encode(), ignore_enoent=True)
 
+        bound: list[str] = []
         if exports is not None:
             from olliefs.fs import ninep  # only with --9p: a mount without it waits less
 
@@ -245,7 +246,7 @@ async def _serve(
             # appears: once ``ollie mount`` says ready, 9P clients can connect too.
             export = ninep.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)
             try:
-                await nursery.start(ninep.serve, export, exports.addresses)
+                bound = await nursery.start(ninep.serve, export, exports.addresses)
             except ninep.AddressError as err:
                 with trio.CancelScope(shield=True):
                     await reg.aclose()
@@ -253,7 +254,10 @@ async def _serve(
         try:
             # Before the mount: a pid file the disk refuses (full) is a clean refusal to
             # start, not a mount that dies as soon as it appeared.
-            paths.pid_file.write_text(f"{os.getpid()}\n{mountpoint}\n")
+            # Then the 9P exports as bound (a TCP port 0 is the port the kernel chose), for
+            # ``ollie mount`` and ``ollie status`` to show.
+            extra = "".join(f"9p {b}\n" for b in bound)
+            paths.pid_file.write_text(f"{os.getpid()}\n{mountpoint}\n{extra}")
         except OSError as err:
             paths.pid_file.unlink(missing_ok=True)
             with trio.CancelScope(shield=True):

@@ -11,7 +11,8 @@ left dead by a killed daemon. Three sources are combined, each for what only it 
   and the path of that file is their state directory. Nothing else keeps the file open
   (``ollie status`` opens it for an instant), and a pid file alone can lie: a SIGKILLed
   daemon leaves it behind and its pid may be reused;
-* the daemon's pid file (``run/ollie.pid``: pid, then mount point) says where it
+* the daemon's pid file (``run/ollie.pid``: pid, mount point, ``9p ADDR`` for each 9P
+  export as bound) says where it
   mounted. Its run directory is found from the daemon's own environment
   (``/proc/PID/environ``), the way ``settings.paths`` found it when the daemon started.
 
@@ -172,6 +173,21 @@ class Daemon:
     @property
     def sessions(self) -> int:
         return len(list((self.state / "sessions").glob("*.jsonl")))
+
+    @property
+    def exports(self) -> list[str]:
+        """The 9P addresses it serves, as bound (`exports_in`)."""
+        return exports_in(self.run / "ollie.pid")
+
+
+def exports_in(pid_file: Path) -> list[str]:
+    """The 9P exports a daemon's pid file lists after its pid and mount point
+    (``9p tcp:127.0.0.1:40123``): the addresses as bound, a port 0 made real."""
+    try:
+        lines = pid_file.read_text().splitlines()[2:]
+    except OSError:
+        return []
+    return [line[3:] for line in lines if line.startswith("9p ")]
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -259,7 +259,9 @@ def test_status_tells_live_dead_and_absent_apart(
     r = stranger.run("status", str(cli.mnt))
     assert (r.returncode, r.stdout) == (2, dead)
     r = stranger.run("status")  # its own home has nothing to do with it
-    assert (r.returncode, r.stdout) == (1, "not mounted\n")
+    # (then every live olliefs mount of this machine, the dead one not among them)
+    assert (r.returncode, r.stdout.split("\n")[0]) == (1, "not mounted")
+    assert str(cli.mnt) not in r.stdout
 
     doc = cli.run("doctor")
     stale = [line for line in doc.stdout.splitlines() if line.startswith("FAIL stale mounts:")]
@@ -275,6 +277,28 @@ def test_status_tells_live_dead_and_absent_apart(
     assert (r.returncode, r.stdout) == (1, f"not mounted: {cli.mnt}\n")
     r = cli.run("status", "/proc")
     assert (r.returncode, r.stdout) == (1, "not an olliefs mount: /proc (proc)\n")
+
+
+def test_mount_and_status_say_the_9p_exports_and_other_homes_mounts(
+    tmp_path: Path, replay: ReplayServer, cli: Cli
+) -> None:
+    """A 9P export's TCP port (0: the kernel picks) is printed by ``ollie mount`` and
+    listed by ``ollie status``; ``ollie status`` of another home names this mount."""
+    r = cli.run("mount", "--9p", "tcp:127.0.0.1:0", str(cli.mnt))
+    assert r.returncode == 0, r.stderr
+    exports = [line for line in r.stdout.splitlines() if line.startswith("9P export on ")]
+    assert len(exports) == 1 and exports[0].startswith("9P export on tcp:127.0.0.1:")
+    port = int(exports[0].rsplit(":", 1)[1])
+    assert port > 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10):
+        pass  # it listens there
+    for args in (("status",), ("status", str(cli.mnt))):
+        r = cli.run(*args)
+        assert r.returncode == 0 and exports[0] in r.stdout.splitlines(), r.stdout
+    other = Cli(tmp_path, replay, "2")
+    r = other.run("status")
+    assert r.returncode == 1
+    assert f"other olliefs mount: {cli.mnt} (daemon pid {cli.daemon_pid()}" in r.stdout
 
 
 def test_umount_without_a_name_clears_this_homes_dead_mount(cli: Cli) -> None:
