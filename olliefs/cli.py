@@ -565,12 +565,33 @@ def cmd_install_helpers(args: argparse.Namespace) -> int:
         text = _with_command("mount.fuse.ollie", (src / "mount.fuse.ollie").read_text(), command)
         _install(text, Path(sbindir) / "mount.fuse.ollie", 0o755)
     _install((src / "ollie.bash").read_text(), completions / PROG, 0o644)
-    text = _with_command("ollie.service", (src / "ollie.service").read_text(), command)
-    _install(text, units / "ollie.service", 0o644)
     for page in man_pages():
         _install(page.read_text(), man / f"man{page.suffix[1:]}" / page.name, 0o644)
+    text = _with_command("ollie.service", (src / "ollie.service").read_text(), command)
+    if not _man_finds(man / "man1" / "ollie.1"):
+        # man(1) does not look there (~/.local/share/man is searched only when ~/.local/bin
+        # is on PATH): the unit names the pages by path, so `systemctl help` and
+        # `systemd-analyze verify` find them, and the user is told how to get `man ollie`.
+        pages = " ".join(f"file://{man}/man{n}/ollie.{n}" for n in ("1", "5"))
+        text = text.replace("Documentation=man:ollie(1) man:ollie(5)", f"Documentation={pages}")
+        print(
+            f"man does not look in {man}: for `man ollie`, add to your shell's profile\n"
+            f'  export MANPATH="{man}:"    (the final colon keeps the system pages)'
+        )
+    _install(text, units / "ollie.service", 0o644)
     print("to mount at login: systemctl --user daemon-reload; systemctl --user enable --now ollie")
     return 0
+
+
+def _man_finds(page: Path) -> bool:
+    """Whether ``man`` as this environment runs it finds ``page`` by name."""
+    man = shutil.which("man")
+    if man is None:
+        return False
+    r = subprocess.run(
+        [man, "-w", page.suffix[1:], page.stem], capture_output=True, text=True, check=False
+    )
+    return r.returncode == 0 and r.stdout.strip() == str(page)
 
 
 def resolve_page(page: str) -> Path:

@@ -487,6 +487,27 @@ def test_install_helpers(tmp_path: Path) -> None:
     assert (home / ".local/share/bash-completion/completions/ollie").is_file()
     assert (home / ".local/share/man/man5/ollie.5").is_file()
     assert "mount.fuse.ollie" not in r.stdout  # /sbin is root's
+    # ~/.local/bin is not on this PATH, so man(1) does not look in ~/.local/share/man:
+    # the unit names the pages by path, and the user is told the one line that makes
+    # `man ollie` work, which then does.
+    man = home / ".local/share/man"
+    unit = (home / ".config/systemd/user/ollie.service").read_text()
+    assert f"Documentation=file://{man}/man1/ollie.1 file://{man}/man5/ollie.5" in unit
+    assert f'export MANPATH="{man}:"' in r.stdout
+    r = subprocess.run(
+        ["man", "-w", "ollie"], env={**env, "MANPATH": f"{man}:"}, capture_output=True, text=True
+    )
+    assert r.stdout.strip() == str(man / "man1/ollie.1"), r
+    runtime = tmp_path / "xdg-runtime"
+    runtime.mkdir(mode=0o700)
+    r = subprocess.run(
+        ["systemd-analyze", "--user", "verify", str(home / ".config/systemd/user/ollie.service")],
+        capture_output=True,
+        text=True,
+        env={**env, "XDG_RUNTIME_DIR": str(runtime)},
+        check=False,
+    )
+    assert (r.returncode, r.stderr) == (0, ""), r
 
 
 def test_systemd_unit_syntax(tmp_path: Path) -> None:
