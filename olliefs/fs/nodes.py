@@ -644,6 +644,15 @@ class Collected(File):
 # ---- logs and blocking reads ---------------------------------------------------------
 
 
+def editors_own(name: str) -> bool:
+    """A name an editor makes beside the file it saves, never the user's document: Emacs'
+    lock (``.#x``), vim's swap and backup (``.x.swp``, ``x~``) and the file vim makes to
+    learn whether it may write a folder (``4913``, ``4914`` ...). Where such a name has
+    no place (``a/``, ``sk/``) it is refused (EACCES) without a reason in ``err``: the
+    reason there stays the one about what the user saved."""
+    return name.startswith(".") or name.endswith("~") or name.isdigit()
+
+
 async def wait_until(
     ready: Callable[[], bool], park: Callable[[], Awaitable[None]], how: Open
 ) -> None:

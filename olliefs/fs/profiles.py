@@ -27,7 +27,7 @@ from olliefs.agent.profile import (
     check_name,
 )
 from olliefs.errors import Denied, InvalidRequest, NotFound, disk_error
-from olliefs.fs.nodes import Cap, Dir, File, Handle, Node, Open
+from olliefs.fs.nodes import Cap, Dir, File, Handle, Node, Open, editors_own
 
 
 def refuse_sandboxed(how: Open, refused: Callable[[str], None]) -> None:
@@ -59,6 +59,9 @@ class ProfileHandle(Handle):
         self.refused = refused
         self.checker: ProfileChecker | None = ProfileChecker() if not initial else None
         self.cap = Cap(f"a/{node.name}.json", MAX_PROFILE_BYTES, refused, "not saved")
+        # The reason a write of this handle was refused: the close fails with it too,
+        # without telling err again (the empty document left behind is not the reason).
+        self.failed: str | None = None
 
     async def read(self, off: int, size: int) -> bytes:
         return bytes(self.buf[off : off + size])
@@ -84,6 +87,7 @@ class ProfileHandle(Handle):
         return len(data)
 
     def truncate(self, size: int) -> None:
+        self.failed = None  # starting the document over
         # Cut, or extend as a write past the end does: with spaces, which JSON allows
         # between tokens, where a disk would put NUL bytes no document can hold.
         if size == 0:
@@ -95,12 +99,16 @@ class ProfileHandle(Handle):
         self.dirty = True
 
     def _refuse(self, reason: str) -> None:
+        self.failed = reason
         self.refused(reason)
         raise InvalidRequest(reason)
 
     async def flush(self) -> None:
         if self.cap.over:
             raise self.cap.error()
+        if self.failed is not None:
+            self.dirty = False
+            raise InvalidRequest(self.failed)
         if not self.dirty:
             return
         self.dirty = False
@@ -216,6 +224,8 @@ class ProfilesDir(Dir):
 
     async def create(self, name: str, mode: int, how: Open) -> tuple[Node, Handle]:
         refuse_sandboxed(how, self.refused)
+        if editors_own(name):
+            raise Denied(f"a/{name}: not a profile (an editor's own file)")
         try:
             pname = self._profile_name(name)
         except InvalidRequest as err:

@@ -491,8 +491,8 @@ def test_install_helpers(tmp_path: Path) -> None:
     # the unit names the pages by path, and the user is told the one line that makes
     # `man ollie` work, which then does.
     man = home / ".local/share/man"
-    unit = (home / ".config/systemd/user/ollie.service").read_text()
-    assert f"Documentation=file://{man}/man1/ollie.1 file://{man}/man5/ollie.5" in unit
+    text = (home / ".config/systemd/user/ollie.service").read_text()
+    assert f"Documentation=file://{man}/man1/ollie.1 file://{man}/man5/ollie.5" in text
     assert f'export MANPATH="{man}:"' in r.stdout
     r = subprocess.run(
         ["man", "-w", "ollie"], env={**env, "MANPATH": f"{man}:"}, capture_output=True, text=True

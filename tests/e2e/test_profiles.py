@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -158,3 +159,52 @@ def test_a_profile_over_the_limit_is_refused_and_nothing_of_it_saved(daemon: Dae
         assert oserror(os.close, fd) == errno.EFBIG
         assert json.loads(daemon.read("a/mine.json")) == MINE
     assert daemon.read("err") == "a/mine.json: longer than 1 MiB (not saved)\n"
+
+
+def test_editors_saving_a_profile_leave_the_reason_that_matters_in_err(daemon: Daemon) -> None:
+    """vim's refused save says what is wrong with the document (not "empty document": the
+    write was refused, so its close found nothing); Emacs' lock file and vim's probe of
+    the folder are refused quietly, so a good save leaves err as it was."""
+    path = daemon.p("a/ed.json")
+    path.write_text('{"description": "x"}\n')
+    r = subprocess.run(
+        ["vim", "-es", "-u", "NONE", "-c", '%s/"x"/"x", "bogus": 1/', "-c", "wq", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode != 0
+    assert "unknown key `bogus`" in daemon.read("err")
+    assert path.read_text() == '{"description": "x"}\n'
+    # any refusal, to see that a good save keeps it
+    assert oserror(daemon.write, "s/new", "cwd=relative") == errno.EINVAL
+    before = daemon.read("err")
+    assert before.startswith("s/new: cwd must be an absolute path")
+    for target, text in ((path, '"y"'), (daemon.p("sk/ed.md"), "more")):
+        if target.suffix == ".md":
+            target.write_text("---\nname: ed\ndescription: d\n---\nbody\n")
+        edit = f'(progn (goto-char (point-max)) (insert "{text}") (save-buffer))'
+        if target.suffix == ".json":
+            edit = (
+                '(progn (goto-char (point-min)) (replace-string "\\"x\\"" "\\"y\\"") (save-buffer))'
+            )
+        r = subprocess.run(
+            ["emacs", "--batch", str(target), "--eval", edit],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert r.returncode == 0, r.stderr
+        assert text.strip('"') in target.read_text()
+        assert daemon.read("err") == before
+    r = subprocess.run(
+        ["vim", "-es", "-u", "NONE", "-c", '%s/"y"/"z"/', "-c", "wq", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0 and '"z"' in path.read_text()
+    assert daemon.read("err") == before
