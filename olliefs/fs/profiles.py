@@ -59,8 +59,8 @@ class ProfileHandle(Handle):
         self.refused = refused
         self.checker: ProfileChecker | None = ProfileChecker() if not initial else None
         self.cap = Cap(f"a/{node.name}.json", MAX_PROFILE_BYTES, refused, "not saved")
-        # The reason a write of this handle was refused: the close fails with it too,
-        # without telling err again (the empty document left behind is not the reason).
+        # The reason a write of this handle was refused: then the close saves nothing
+        # and says nothing more (the empty document left behind is not the reason).
         self.failed: str | None = None
 
     async def read(self, off: int, size: int) -> bytes:
@@ -107,8 +107,10 @@ class ProfileHandle(Handle):
         if self.cap.over:
             raise self.cap.error()
         if self.failed is not None:
+            # The write already failed with its reason; nothing of the document is
+            # saved, and the close reports nothing more (err keeps that reason).
             self.dirty = False
-            raise InvalidRequest(self.failed)
+            return
         if not self.dirty:
             return
         self.dirty = False
