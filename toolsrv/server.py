@@ -39,7 +39,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,7 +113,8 @@ class Agent:
 
 @dataclass(frozen=True, eq=False)
 class Node:
-    """A path in one agent's view. ``kind`` names the file; ``arg`` the tool or proc."""
+    """A path in one agent's view. ``kind`` names its entry in `TREE`; ``arg`` the tool,
+    ``proc`` the call, of the paths beneath ``tools/<name>`` and ``proc/N``."""
 
     agent: Agent
     kind: str
@@ -123,7 +124,7 @@ class Node:
 
     @property
     def is_dir(self) -> bool:
-        return self.kind in ("root", "tools", "tool", "agent", "procdir", "proc")
+        return TREE[self.kind].is_dir
 
 
 @dataclass(eq=False)
@@ -136,6 +137,55 @@ class Handle:
     request: bytearray | None = None  # proc/rpc: the call written, not yet started
     result: bytes | None = None  # proc/rpc: the last call's result
     running: bool = False  # proc/rpc: a read is running the call
+
+
+# ---- the tree, declared once ------------------------------------------------------------
+#
+# Each kind of node says what it is and does; `ToolServer` serves whatever is declared,
+# so a new file (or a new kind of directory) is one entry here plus the method behind it,
+# not a branch in each of walk, readdir, open, read and write.
+
+Snapshot = Callable[["ToolServer", Node], bytes]
+Reader = Callable[["ToolServer", Handle, int, int], Awaitable[bytes]]
+Writer = Callable[["ToolServer", Handle, int, bytes], None]
+Children = Callable[["ToolServer", Node], list[Node]]
+Child = Callable[["ToolServer", Node, str], Node | None]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of node of an agent's tree.
+
+    A directory has ``parent`` (the kind ``..`` leads to), fixed ``files`` (name, kind)
+    and, beneath ``tools/`` and ``proc/``, ``children``/``child`` for the entries that
+    come and go; ``alive`` says whether its fixed files may still be walked to. A file has
+    its permission bits and what it does: ``snapshot`` renders it at open (again at
+    offset 0 when ``live``), ``read``/``write`` answer instead, ``opened`` runs at
+    open."""
+
+    is_dir: bool = False
+    perm: int = 0o400
+    parent: str | None = None
+    files: tuple[tuple[str, str], ...] = ()
+    children: Children | None = None
+    child: Child | None = None
+    alive: Callable[[ToolServer, Node], bool] = lambda srv, node: True
+    snapshot: Snapshot | None = None
+    live: bool = False
+    read: Reader | None = None
+    write: Writer | None = None
+    opened: Callable[[ToolServer, Handle], None] | None = None
+    waits: Callable[[Handle], bool] = lambda handle: False
+
+
+def _dir(
+    parent: str,
+    files: tuple[tuple[str, str], ...] = (),
+    children: Children | None = None,
+    child: Child | None = None,
+    alive: Callable[[ToolServer, Node], bool] = lambda srv, node: True,
+) -> Kind:
+    return Kind(True, 0o500, parent, files, children, child, alive)
 
 
 class ToolServer(BaseFileSystem[Node, Handle]):
@@ -175,8 +225,9 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         key: tuple[object, ...] = (node.agent.id, node.kind, node.arg)
         if node.proc is not None:
             key = (*key, node.proc.n)
-        qtype = QTDIR if node.is_dir else QTFILE
-        mode = (DMDIR | 0o500) if node.is_dir else self._perm(node)
+        kind = TREE[node.kind]
+        qtype = QTDIR if kind.is_dir else QTFILE
+        mode = (DMDIR | kind.perm) if kind.is_dir else kind.perm
         now = int(self.started)
         return Stat(
             type=0,
@@ -192,27 +243,13 @@ class ToolServer(BaseFileSystem[Node, Handle]):
             muid=node.agent.id,
         )
 
-    @staticmethod
-    def _perm(node: Node) -> int:
-        if node.kind in ("ctl", "call", "procctl"):
-            return 0o200
-        if node.kind == "rpc":
-            return 0o600
-        return 0o400
-
     def waits(self, op: int, node: Node | None, handle: Handle | None) -> bool:
         """Only reads wait: of a result not there yet, and of proc/rpc when they start a
         call. Everything else here is bookkeeping in memory (and a few stats of the
         tool dirs), answered by the 9P reader at once."""
         if op != TREAD or handle is None:
             return False
-        kind = handle.node.kind
-        if kind == "rpc":
-            return handle.request is not None
-        if kind == "result":
-            proc = handle.node.proc
-            return proc is None or proc.result is None
-        return False
+        return TREE[handle.node.kind].waits(handle)
 
     # ---- attach and walk ------------------------------------------------------------
 
@@ -240,107 +277,143 @@ class ToolServer(BaseFileSystem[Node, Handle]):
                 del self.agents[agent.id]
 
     async def walk(self, node: Node, name: str) -> Node:
-        a = node.agent
-        k = node.kind
-        if name == "..":
-            parent = {
-                "root": "root",
-                "tools": "root",
-                "agent": "root",
-                "procdir": "root",
-                "tool": "tools",
-                "proc": "procdir",
-            }.get(k)
-            if parent is None:
-                raise NinePError("not a directory")
-            names = {"root": "/", "tools": "tools", "procdir": "proc"}
-            return Node(a, parent, names[parent])
-        if k == "root":
-            kinds = {"tools": "tools", "agent": "agent", "proc": "procdir"}
-            if name in kinds:
-                return Node(a, kinds[name], name)
-        elif k == "tools":
-            if name in self.registry:
-                return Node(a, "tool", name, arg=name)
-        elif k == "tool":
-            if name in ("meta", "schema") and node.arg in self.registry:
-                return Node(a, name, name, arg=node.arg)
-        elif k == "agent":
-            if name in ("ctl", "loaded", "rev"):
-                return Node(a, name, name)
-        elif k == "procdir":
-            if name in ("new", "rpc"):
-                return Node(a, name, name)
-            if name.isdigit() and int(name) in a.procs:
-                return Node(a, "proc", name, proc=a.procs[int(name)])
-        elif k == "proc":
-            files = {"call": "call", "result": "result", "ctl": "procctl"}
-            if name in files and node.proc is not None and node.proc.n in a.procs:
-                return Node(a, files[name], name, proc=node.proc)
-        else:
+        kind = TREE[node.kind]
+        if not kind.is_dir:
             raise NinePError("not a directory")
+        if name == "..":
+            assert kind.parent is not None
+            return Node(node.agent, kind.parent, NAMES.get(kind.parent, kind.parent))
+        for fname, fkind in kind.files:
+            if fname == name:
+                if not kind.alive(self, node):
+                    break
+                return Node(node.agent, fkind, fname, arg=node.arg, proc=node.proc)
+        else:
+            found = kind.child(self, node, name) if kind.child is not None else None
+            if found is not None:
+                return found
         raise NinePError("file not found")
 
     async def readdir(self, node: Node) -> list[Stat]:
-        a = node.agent
-        k = node.kind
-        children: list[Node]
-        if k == "root":
-            children = [
-                Node(a, "tools", "tools"),
-                Node(a, "agent", "agent"),
-                Node(a, "procdir", "proc"),
-            ]
-        elif k == "tools":
-            children = [Node(a, "tool", n, arg=n) for n in sorted(self.registry.tools())]
-        elif k == "tool":
-            children = [Node(a, f, f, arg=node.arg) for f in ("meta", "schema")]
-        elif k == "agent":
-            children = [Node(a, f, f) for f in ("ctl", "loaded", "rev")]
-        elif k == "procdir":
-            children = [Node(a, "new", "new"), Node(a, "rpc", "rpc")] + [
-                Node(a, "proc", str(n), proc=p) for n, p in sorted(a.procs.items())
-            ]
-        elif k == "proc":
-            children = [
-                Node(a, kind, name, proc=node.proc)
-                for name, kind in (("call", "call"), ("result", "result"), ("ctl", "procctl"))
-            ]
-        else:
+        kind = TREE[node.kind]
+        if not kind.is_dir:
             raise NinePError("not a directory")
+        children = [
+            Node(node.agent, fkind, fname, arg=node.arg, proc=node.proc)
+            for fname, fkind in kind.files
+        ]
+        if kind.children is not None:
+            children += kind.children(self, node)
         return [self.stat(c) for c in children]
 
     # ---- open, read, write ----------------------------------------------------------
 
     async def open(self, node: Node, mode: int) -> Handle:
-        if node.is_dir:
+        kind = TREE[node.kind]
+        if kind.is_dir:
             if mode & 3 != OREAD:
                 raise NinePError("is a directory")
             return Handle(node, mode)
         writing = mode & 3 != OREAD or bool(mode & OTRUNC)
         reading = mode & 3 != 1  # OWRITE
-        perm = self._perm(node)
-        if (writing and not perm & 0o200) or (reading and not perm & 0o400):
+        if (writing and not kind.perm & 0o200) or (reading and not kind.perm & 0o400):
             raise denied()
         h = Handle(node, mode)
-        if node.kind == "new":
-            h.proc = self._new_proc(node.agent)
-            h.data = f"{h.proc.n}\n".encode()
-        elif node.kind not in ("result", "rpc") and reading:
-            h.data = self._snapshot(node)
+        if kind.opened is not None:
+            kind.opened(self, h)
+        elif kind.snapshot is not None and reading:
+            h.data = kind.snapshot(self, node)
         return h
 
-    def _snapshot(self, node: Node) -> bytes:
-        a = node.agent
-        if node.kind == "meta":
-            return _json.encode(self._tool(node.arg).meta()) + b"\n"
-        if node.kind == "schema":
-            return _json.encode(self._tool(node.arg).args) + b"\n"
-        if node.kind == "loaded":
-            return "".join(f"{n}\n" for n in a.tools.loaded()).encode()
-        if node.kind == "rev":
-            return f"{a.tools.rev}\n".encode()
-        return b""
+    async def read(self, handle: Handle, offset: int, count: int) -> bytes:
+        kind = TREE[handle.node.kind]
+        if kind.read is not None:
+            return await kind.read(self, handle, offset, count)
+        if handle.data is None:
+            raise denied()
+        if offset == 0 and kind.live and kind.snapshot is not None:
+            handle.data = kind.snapshot(self, handle.node)  # what it says now, to a fid kept open
+        return handle.data[offset : offset + count]
+
+    async def write(self, handle: Handle, offset: int, data: bytes) -> int:
+        kind = TREE[handle.node.kind]
+        if kind.write is None:
+            raise denied()
+        kind.write(self, handle, offset, data)
+        return len(data)
+
+    # ---- what the files do ----------------------------------------------------------
+
+    def _tools(self, node: Node) -> list[Node]:
+        return [Node(node.agent, "tool", n, arg=n) for n in sorted(self.registry.tools())]
+
+    def _tool_named(self, node: Node, name: str) -> Node | None:
+        return Node(node.agent, "tool", name, arg=name) if name in self.registry else None
+
+    def _procs(self, node: Node) -> list[Node]:
+        procs = sorted(node.agent.procs.items())
+        return [Node(node.agent, "proc", str(n), proc=p) for n, p in procs]
+
+    def _proc_named(self, node: Node, name: str) -> Node | None:
+        procs = node.agent.procs
+        if name.isdigit() and int(name) in procs:
+            return Node(node.agent, "proc", name, proc=procs[int(name)])
+        return None
+
+    def _meta(self, node: Node) -> bytes:
+        return _json.encode(self._tool(node.arg).meta()) + b"\n"
+
+    def _schema(self, node: Node) -> bytes:
+        return _json.encode(self._tool(node.arg).args) + b"\n"
+
+    def _loaded(self, node: Node) -> bytes:
+        return "".join(f"{n}\n" for n in node.agent.tools.loaded()).encode()
+
+    def _rev(self, node: Node) -> bytes:
+        return f"{node.agent.tools.rev}\n".encode()
+
+    def _opened_new(self, handle: Handle) -> None:
+        handle.proc = self._new_proc(handle.node.agent)
+        handle.data = f"{handle.proc.n}\n".encode()
+
+    @staticmethod
+    def _text(data: bytes) -> str:
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            raise NinePError("not valid UTF-8") from None
+
+    def _write_ctl(self, handle: Handle, offset: int, data: bytes) -> None:
+        self._agent_ctl(handle.node.agent, self._text(data))
+
+    def _write_call(self, handle: Handle, offset: int, data: bytes) -> None:
+        self._text(data)
+        assert handle.node.proc is not None
+        self._start(handle.node.proc, data)
+
+    def _write_procctl(self, handle: Handle, offset: int, data: bytes) -> None:
+        cmd = self._text(data).strip()
+        if cmd != "kill":
+            raise NinePError(f"unknown command: {cmd!r} (proc ctl takes: kill)")
+        assert handle.node.proc is not None
+        handle.node.proc.kill()
+
+    async def _read_result(self, handle: Handle, offset: int, count: int) -> bytes:
+        proc = handle.node.proc
+        assert proc is not None
+        # A read may come before the call is written (a client that pipelines the
+        # two): it waits for the call to start and end, like a pipe for its writer.
+        if proc.result is None:
+            try:
+                await proc.done.wait()
+            except trio.Cancelled:
+                # Tflush of a pending result read: the call dies (SPEC 5).
+                log.debug("result read of %s/%d flushed: killing", proc.agent.id, proc.n)
+                proc.kill()
+                raise
+        data = proc.result or b""
+        handle.consumed = offset + count >= len(data)
+        return data[offset : offset + count]
 
     def _tool(self, name: str) -> ToolInfo:
         try:
@@ -359,55 +432,6 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         proc = Proc(next(agent.next_n), agent)
         agent.procs[proc.n] = proc
         return proc
-
-    async def read(self, handle: Handle, offset: int, count: int) -> bytes:
-        node = handle.node
-        if node.kind == "rpc":
-            return await self._rpc_read(handle, offset, count)
-        if node.kind == "result":
-            proc = node.proc
-            assert proc is not None
-            # A read may come before the call is written (a client that pipelines the
-            # two): it waits for the call to start and end, like a pipe for its writer.
-            if proc.result is None:
-                try:
-                    await proc.done.wait()
-                except trio.Cancelled:
-                    # Tflush of a pending result read: the call dies (SPEC 5).
-                    log.debug("result read of %s/%d flushed: killing", proc.agent.id, proc.n)
-                    proc.kill()
-                    raise
-            data = proc.result or b""
-            handle.consumed = offset + count >= len(data)
-            return data[offset : offset + count]
-        if handle.data is None:
-            raise denied()
-        if offset == 0 and node.kind in _LIVE:
-            handle.data = self._snapshot(node)  # what it says now, to a fid kept open
-        return handle.data[offset : offset + count]
-
-    async def write(self, handle: Handle, offset: int, data: bytes) -> int:
-        node = handle.node
-        if node.kind == "rpc":
-            return self._rpc_write(handle, offset, data)
-        try:
-            text = data.decode()
-        except UnicodeDecodeError:
-            raise NinePError("not valid UTF-8") from None
-        if node.kind == "ctl":
-            self._agent_ctl(node.agent, text)
-        elif node.kind == "call":
-            assert node.proc is not None
-            self._start(node.proc, data)
-        elif node.kind == "procctl":
-            assert node.proc is not None
-            cmd = text.strip()
-            if cmd != "kill":
-                raise NinePError(f"unknown command: {cmd!r} (proc ctl takes: kill)")
-            node.proc.kill()
-        else:
-            raise denied()
-        return len(data)
 
     def _agent_ctl(self, agent: Agent, text: str) -> None:
         """Lines applied in order; all are checked before any is applied."""
@@ -433,8 +457,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
 
     # ---- proc/rpc ---------------------------------------------------------------------
 
-    @staticmethod
-    def _rpc_write(handle: Handle, offset: int, data: bytes) -> int:
+    def _rpc_write(self, handle: Handle, offset: int, data: bytes) -> None:
         if handle.running:
             raise NinePError("a call is running on this fid (one at a time per fid)")
         if offset == 0:
@@ -448,7 +471,6 @@ class ToolServer(BaseFileSystem[Node, Handle]):
             handle.request = None
             raise NinePError(f"call too large (more than {MAX_CALL} bytes)")
         handle.result = None
-        return len(data)
 
     async def _rpc_read(self, handle: Handle, offset: int, count: int) -> bytes:
         if handle.running:
@@ -630,3 +652,55 @@ def render_result(res: ExecResult, timeout: float, profile: str = "default") -> 
             notes.append(f"exit status {res.exit_code}")
     parts.extend(notes)
     return CallResult([Content("\n".join(parts))], is_error)
+
+
+def _tool_alive(srv: ToolServer, node: Node) -> bool:
+    return node.arg in srv.registry
+
+
+def _proc_alive(srv: ToolServer, node: Node) -> bool:
+    return node.proc is not None and node.proc.n in node.agent.procs
+
+
+def _result_waits(handle: Handle) -> bool:
+    proc = handle.node.proc
+    return proc is None or proc.result is None
+
+
+TREE: dict[str, Kind] = {
+    "root": _dir("root", (("tools", "tools"), ("agent", "agent"), ("proc", "procdir"))),
+    "tools": _dir("root", children=ToolServer._tools, child=ToolServer._tool_named),
+    "tool": _dir("tools", (("meta", "meta"), ("schema", "schema")), alive=_tool_alive),
+    "meta": Kind(snapshot=ToolServer._meta),
+    "schema": Kind(snapshot=ToolServer._schema),
+    "agent": _dir("root", (("ctl", "ctl"), ("loaded", "loaded"), ("rev", "rev"))),
+    "ctl": Kind(perm=0o200, write=ToolServer._write_ctl),
+    # Rendered again by a read at offset 0 (the Plan 9 manner of a synthetic file): a
+    # client that keeps one open reads the current value in one round trip, as olliefs
+    # reads agent/rev before each model request.
+    "loaded": Kind(snapshot=ToolServer._loaded, live=True),
+    "rev": Kind(snapshot=ToolServer._rev, live=True),
+    "procdir": _dir(
+        "root",
+        (("new", "new"), ("rpc", "rpc")),
+        children=ToolServer._procs,
+        child=ToolServer._proc_named,
+    ),
+    "new": Kind(opened=ToolServer._opened_new),
+    "rpc": Kind(
+        perm=0o600,
+        read=ToolServer._rpc_read,
+        write=ToolServer._rpc_write,
+        waits=lambda handle: handle.request is not None,
+    ),
+    "proc": _dir(
+        "procdir", (("call", "call"), ("result", "result"), ("ctl", "procctl")), alive=_proc_alive
+    ),
+    "call": Kind(perm=0o200, write=ToolServer._write_call),
+    "result": Kind(read=ToolServer._read_result, waits=_result_waits),
+    "procctl": Kind(perm=0o200, write=ToolServer._write_procctl),
+}
+"""Every kind of node of an agent's tree (the module docstring draws it)."""
+
+NAMES = {"root": "/", "tools": "tools", "procdir": "proc"}
+"""The name a directory reached by ``..`` has."""
