@@ -46,6 +46,7 @@ from olliefs.agent.events import Event, EventRole, encode_line
 from olliefs.agent.loop import TurnEnded
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink
+from olliefs.agent.taskstate import TaskState
 from olliefs.backend.base import BackendError, Message, Usage
 from olliefs.caller import USER, Caller
 from olliefs.errors import (
@@ -313,6 +314,9 @@ class Session:
     def history_replaced(self, messages: list[Message], n: int) -> None:
         self.record(persist.Replaced(messages, n))
         self.turn_starts = [0]  # the compacted history is one turn's start
+
+    def taskstate_changed(self, state: TaskState) -> None:
+        self.record(persist.TaskStateRec(state))
 
     def compact(self, focus: str) -> None:
         """``ctl compact [focus]``. During a turn (the agent compacting itself through its
@@ -803,7 +807,7 @@ class Session:
             self.record(persist.MaxSteps(rt.max_steps))
             self.agent.max_steps = rt.max_steps
         self.record(persist.Clear())
-        self.agent.history.clear()
+        self.agent.clear()
         self.turn_starts.clear()
         self.emit("info", f"agent {name}: tools {', '.join(rt.tools) or 'none'}; history cleared")
         for note in rt.notes:
@@ -886,7 +890,7 @@ class Session:
 
     def clear(self) -> None:
         self.record(persist.Clear(), strict=True)
-        self.agent.history.clear()
+        self.agent.clear()
         self.turn_starts.clear()
         self.emit("info", "history cleared")
 
@@ -935,13 +939,15 @@ class Session:
                 elif isinstance(rec, persist.Rename):
                     self.id = rec.id
                 elif isinstance(rec, persist.Clear):
-                    history.clear()
+                    self.agent.clear()
                     self.turn_starts.clear()
                 elif isinstance(rec, persist.Dropped):
                     dropped.update(rec.seqs)
                 elif isinstance(rec, persist.Replaced):
                     history.replace(rec.messages)
                     self.turn_starts = [0]
+                elif isinstance(rec, persist.TaskStateRec):
+                    self.agent.taskstate = rec.state
                 elif isinstance(rec, persist.Plan):
                     self.plan = rec.text
                 elif isinstance(rec, persist.MaxSteps):
