@@ -360,6 +360,7 @@ class Agent:
                 else self.services.profile_prompt(self.cfg.agent)
             ),
             link=self.link,
+            permits=self.permits,
         )
 
     def ctxsz_text(self) -> str:

@@ -22,7 +22,7 @@ from olliefs.agent.build import Runtime, build_runtime
 from olliefs.agent.compact import checkpoint as checkpoint_messages
 from olliefs.agent.config import Cfg, resolve_cwd
 from olliefs.agent.events import Event, encode_line
-from olliefs.agent.profile import Profile, load_profile, profile_path
+from olliefs.agent.profile import DEFAULT_TOOLS, Profile, load_profile, permits, profile_path
 from olliefs.agent.runtime import ToolLink
 from olliefs.agent.shell import base_env
 from olliefs.backend.base import Backend, BackendError
@@ -253,11 +253,20 @@ class Registry:
         return {}
 
     def profile_tools(self, agent: str) -> list[str]:
-        tools = self.profile(agent).get("tools", ["client_9p"])
-        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
-            log.warning("profile %s: tools must be a list of names", agent)
-            return ["client_9p"]
-        return list(dict.fromkeys(tools))
+        """The tools a session of ``agent`` starts with: ``tools`` (default client_9p),
+        then ``autoLoad``, each only if allowTools permits it (as ``Runtime``)."""
+        prof = self.profile(agent)
+        names: list[str] = []
+        for key, default in (("tools", list(DEFAULT_TOOLS)), ("autoLoad", [])):
+            got = prof.get(key, default)
+            if not isinstance(got, list) or not all(isinstance(t, str) for t in got):
+                log.warning("profile %s: %s must be a list of names", agent, key)
+                got = default
+            names += got
+        allow = prof.get("allowTools")
+        if not isinstance(allow, list) or not all(isinstance(t, str) for t in allow):
+            allow = None
+        return [t for t in dict.fromkeys(names) if permits(allow, t)]
 
     def profile_prompt(self, agent: str) -> str:
         prompt = self.profile(agent).get("prompt", "")

@@ -795,13 +795,14 @@ class Session:
             values[key] = v
         self.set_cfg(values, announce=False)
         old = self.agent.link
-        link = ToolLink(self.host.toolsrv, self.uid, list(rt.tools))
+        tools = rt.initial_tools
+        link = ToolLink(self.host.toolsrv, self.uid, tools)
         link.on_dropped = self._tool_dropped
         if self._nursery is not None:
             link.bind(self._nursery)
         old.close()
         self.agent.link = link
-        self.record(persist.Tools(list(rt.tools)))
+        self.record(persist.Tools(tools))
         self._adopt(rt)
         if rt.max_steps:
             self.record(persist.MaxSteps(rt.max_steps))
@@ -809,7 +810,7 @@ class Session:
         self.record(persist.Clear())
         self.agent.clear()
         self.turn_starts.clear()
-        self.emit("info", f"agent {name}: tools {', '.join(rt.tools) or 'none'}; history cleared")
+        self.emit("info", f"agent {name}: tools {', '.join(tools) or 'none'}; history cleared")
         for note in rt.notes:
             self.emit("info", note)
         await self.sync()

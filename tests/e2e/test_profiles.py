@@ -52,6 +52,11 @@ def test_switching_agent_rebuilds_and_clears(daemon: Daemon) -> None:
     tools = daemon.read(f"s/{sid}/tools")
     assert tools.splitlines()[0].startswith("client_9p") and "file_read" in tools
     assert f"Working in {daemon.work}" in daemon.read(f"s/{sid}/systemprompt")
+    # The model is offered the tools it may load, not the others.
+    daemon.prompt(sid, "after")
+    daemon.wait_idle(sid)
+    system = daemon.replay.requests[-1]["messages"][0]["content"]
+    assert "- file_grep:" in system and "execute_code" not in system
     assert "agent=mine\n" in daemon.read(f"s/{sid}/cfg")
     assert oserror(lambda: daemon.write(f"s/{sid}/ctl", "tool_load execute_code")) == errno.EINVAL
     assert "not permitted" in daemon.read(f"s/{sid}/err")
@@ -158,3 +163,27 @@ def test_a_profile_over_the_limit_is_refused_and_nothing_of_it_saved(daemon: Dae
         assert oserror(os.close, fd) == errno.EFBIG
         assert json.loads(daemon.read("a/mine.json")) == MINE
     assert daemon.read("err") == "a/mine.json: longer than 1 MiB (not saved)\n"
+
+
+@pytest.mark.parametrize("how", ["s/new", "ctl agent"])
+def test_auto_load_tools_are_loaded_when_the_agent_starts(daemon: Daemon, how: str) -> None:
+    """autoLoad adds to the tools an agent starts with (the default client_9p when the
+    profile has no ``tools``): the model gets their schemas from its first request on,
+    after a switch to the profile too; the shipped coding profile is one."""
+    put(daemon, "a/extra.json", json.dumps({"autoLoad": ["file_read", "reasoning_think"]}))
+    for agent in ("extra", "coding"):
+        if how == "s/new":
+            sid = daemon.new(name=f"al-{agent}", agent=agent)
+        else:
+            sid = daemon.new(name=f"al-{agent}")
+            daemon.write(f"s/{sid}/ctl", f"agent {agent}")
+        daemon.wait_idle(sid)
+        loaded = [line.split("\t")[0] for line in daemon.read(f"s/{sid}/tools").splitlines()]
+        profile = json.loads(daemon.read(f"a/{agent}.json"))
+        want = list(dict.fromkeys([*profile.get("tools", ["client_9p"]), *profile["autoLoad"]]))
+        assert loaded == want, agent
+        n0 = len(daemon.replay.requests)
+        daemon.prompt(sid, "hello")
+        daemon.wait_idle(sid)
+        sent = [t["function"]["name"] for t in daemon.replay.requests[n0]["tools"]]
+        assert sorted(sent) == sorted(want), agent
