@@ -52,7 +52,7 @@ from olliefs.agent.safety import Action, Safety
 from olliefs.agent.shell import base_env
 from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
 from olliefs.backend.base import Backend, GenerationParams, Message, Usage
-from olliefs.errors import DiskError, disk_error
+from olliefs.errors import DiskError, OllieError, disk_error
 from toolsrv.protocol import ToolMeta
 
 _json = msgspec.json.Encoder()
@@ -86,6 +86,11 @@ class AgentHost(Protocol):
     def history_replaced(self, messages: list[Message], n: int) -> None: ...
 
     def taskstate_changed(self, state: TaskState) -> None: ...
+
+    async def switch_backend(self, values: Mapping[str, str]) -> None:
+        """Set ``backend`` / ``model`` during a turn (a turnError hook's recovery);
+        raises an ``OllieError`` (nothing changed) when it cannot."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -223,13 +228,20 @@ class Agent:
             failure=self.hook_failure,
         )
         for w in result.warnings:
-            self.emit("info", f"hook {event}: {w}")
+            self.emit("info", w)  # it names the hook already
         if result.blocked:
             self.emit("error", f"blocked by the {event} hook: {result.reason or '(no reason)'}")
         return result
 
     def permits(self, tool: str) -> bool:
         return permits(self.allow_tools, tool)
+
+    async def switch_backend(self, values: Mapping[str, str]) -> str | None:
+        try:
+            await self.host.switch_backend(values)
+        except OllieError as err:
+            return str(err)
+        return None
 
     def set_taskstate(self, state: TaskState) -> None:
         """The TaskState changed: the host journals it (it survives a restart, so the

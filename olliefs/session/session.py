@@ -318,6 +318,19 @@ class Session:
     def taskstate_changed(self, state: TaskState) -> None:
         self.record(persist.TaskStateRec(state))
 
+    async def switch_backend(self, values: Mapping[str, str]) -> None:
+        """A turnError hook's recovery (``loop._turn_error``): ``backend`` and ``model``
+        set as a ``cfg`` write sets them, in the turn that failed (where ``cfg`` and
+        ``ctl`` refuse them), before its request is sent again."""
+        if "backend" in values:
+            self.host.check_backend(values["backend"])
+        current = self.cfg.values()
+        changed = {k: v for k, v in values.items() if current[k] != v}
+        if changed:
+            self.set_cfg(changed, announce=False)
+        cfg = self.cfg
+        self.agent.context_length = await self.host.context_length(cfg.backend, cfg.model)
+
     def compact(self, focus: str) -> None:
         """``ctl compact [focus]``. During a turn (the agent compacting itself through its
         ctl, or the user): before the turn's next request, or right after the turn if it
