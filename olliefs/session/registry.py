@@ -305,10 +305,13 @@ class Registry:
     def known_tools(self, s: Session) -> set[str]:
         return set(self.catalogue) | set(s.agent.link.catalogue)
 
-    def tools_idx_text(self) -> str:
-        """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated."""
+    def tools_idx_text(self, permits: Callable[[str], bool] = lambda name: True) -> str:
+        """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated.
+        ``permits``: only the tools it lets through (a session's ``t/idx``)."""
         out = []
         for name, (meta, schema) in sorted(self.catalogue.items()):
+            if not permits(name):
+                continue
             args = msgspec.json.encode(schema).decode()
             flag = "parallel" if meta.parallel else "serial"
             out.append(f"{name}\t{meta.description}\t{args}\t{meta.tier}\t{flag}\n")

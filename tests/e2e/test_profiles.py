@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 
 import pytest
 
@@ -187,3 +188,30 @@ def test_auto_load_tools_are_loaded_when_the_agent_starts(daemon: Daemon, how: s
         daemon.wait_idle(sid)
         sent = [t["function"]["name"] for t in daemon.replay.requests[n0]["tools"]]
         assert sorted(sent) == sorted(want), agent
+
+
+def test_session_t_shows_the_tools_the_agent_may_load(daemon: Daemon) -> None:
+    """``s/ID/t/``: ``idx`` and a read-only script per tool, as the root ``t/`` has them,
+    but only the tools the profile's allowTools permits."""
+    put(daemon, "a/mine.json", json.dumps(MINE))
+    everything = sorted(os.listdir(daemon.p("t")))
+    assert "execute_code" in everything and "file_read" in everything
+    plain = daemon.new(name="plain")
+    assert sorted(os.listdir(daemon.p(f"s/{plain}/t"))) == everything
+    assert daemon.read(f"s/{plain}/t/idx") == daemon.read("t/idx")
+    sid = daemon.new(name="mine", agent="mine")
+    allowed = [n for n in everything if n == "client_9p" or n.startswith("file_")]
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/t"))) == sorted([*allowed, "idx"])
+    idx = daemon.read(f"s/{sid}/t/idx").splitlines()
+    assert [line.split("\t")[0] for line in idx] == [n for n in allowed if n != "idx"]
+    assert set(idx) <= set(daemon.read("t/idx").splitlines())
+    assert daemon.read(f"s/{sid}/t/file_read") == daemon.read("t/file_read")
+    assert not os.path.exists(daemon.p(f"s/{sid}/t/execute_code"))
+    mode = os.stat(daemon.p(f"s/{sid}/t/file_read")).st_mode
+    assert stat.S_ISREG(mode) and not mode & 0o222
+    assert stat.S_ISDIR(os.stat(daemon.p(f"s/{sid}/t")).st_mode)
+    assert oserror(lambda: daemon.write(f"s/{sid}/t/file_read", "x")) in (errno.EACCES, errno.EPERM)
+    assert oserror(lambda: put(daemon, f"s/{sid}/t/mine", "x")) in (errno.EACCES, errno.EPERM)
+    # A switch to another profile changes what it may load.
+    daemon.write(f"s/{sid}/ctl", "agent default")
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/t"))) == everything
