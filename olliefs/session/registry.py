@@ -419,20 +419,30 @@ class Registry:
             raise InvalidRequest("s/new: cwd= is required")
         values["cwd"] = resolve_cwd(values["cwd"])
         caller.check_dir(values["cwd"], "s/new: cwd")
+        name = values.get("name", "")
+        parent = self.sessions.get(name.rpartition(SUB)[0]) if SUB in name else None
         if "agent" in values:
-            parent = self.sessions.get(values.get("name", "").rpartition("__")[0])
             caller.check(
                 parent is not None and parent.cfg.agent == values["agent"],
                 f"s/new: agent={values['agent']} (only the parent's profile, for a child "
                 "<parent>__<name>)",
             )
-        values.setdefault("agent", "default")
+        # A child (a subagent, ``<parent>__<name>``) is by default what its parent is
+        # now: its profile, backend and model (which a turnError hook or the user may
+        # have switched since the parent started).
+        values.setdefault("agent", parent.cfg.agent if parent is not None else "default")
         self.check_agent(values["agent"])
-        # The profile's backend and model, where s/new does not name them (as ctl agent).
-        prof = self.profile(values["agent"])
-        for key in ("backend", "model"):
-            if key not in values and isinstance(prof.get(key), str) and prof[key]:
-                values[key] = prof[key]
+        if parent is None or parent.cfg.agent != values["agent"]:
+            # The profile's backend and model, where s/new does not name them (as ctl
+            # agent does); a child of another profile than its parent's gets them too.
+            prof = self.profile(values["agent"])
+            for key in ("backend", "model"):
+                if key not in values and isinstance(prof.get(key), str) and prof[key]:
+                    values[key] = prof[key]
+        if parent is not None:
+            values.setdefault("backend", parent.cfg.backend)
+            if values["backend"] == parent.cfg.backend:
+                values.setdefault("model", parent.cfg.model)
         values.setdefault("backend", self.default_backend)
         self.check_backend(values["backend"])
         if "model" not in values:
