@@ -69,6 +69,8 @@ def _doc_name(rel: Path, sessions: set[str]) -> str:
             parts[3] = "NAME"
         if len(parts) > 3 and parts[2] == "branches":
             parts[3] = "K"
+        if len(parts) > 3 and parts[2] == "t" and parts[3] != "idx":
+            parts[3] = "TOOL"
     if parts[0] in FOLDER_FILES and len(parts) > 1 and parts[1] != "idx":
         if "/".join(parts[:2]) != "u/complete":
             parts[1:] = [FOLDER_FILES[parts[0]]]

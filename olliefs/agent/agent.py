@@ -52,7 +52,7 @@ from olliefs.agent.safety import Action, Safety
 from olliefs.agent.shell import base_env
 from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
 from olliefs.backend.base import Backend, GenerationParams, Message, Usage
-from olliefs.errors import DiskError, disk_error
+from olliefs.errors import DiskError, OllieError, disk_error
 from toolsrv.protocol import ToolMeta
 
 _json = msgspec.json.Encoder()
@@ -84,6 +84,13 @@ class AgentHost(Protocol):
     def compactions_dir(self) -> Path: ...
 
     def history_replaced(self, messages: list[Message], n: int) -> None: ...
+
+    def taskstate_changed(self, state: TaskState) -> None: ...
+
+    async def switch_backend(self, values: Mapping[str, str]) -> None:
+        """Set ``backend`` / ``model`` during a turn (a turnError hook's recovery);
+        raises an ``OllieError`` (nothing changed) when it cannot."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -221,7 +228,7 @@ class Agent:
             failure=self.hook_failure,
         )
         for w in result.warnings:
-            self.emit("info", f"hook {event}: {w}")
+            self.emit("info", w)  # it names the hook already
         if result.blocked:
             self.emit("error", f"blocked by the {event} hook: {result.reason or '(no reason)'}")
         return result
@@ -229,8 +236,22 @@ class Agent:
     def permits(self, tool: str) -> bool:
         return permits(self.allow_tools, tool)
 
+    async def switch_backend(self, values: Mapping[str, str]) -> str | None:
+        try:
+            await self.host.switch_backend(values)
+        except OllieError as err:
+            return str(err)
+        return None
+
+    def set_taskstate(self, state: TaskState) -> None:
+        """The TaskState changed: the host journals it (it survives a restart, so the
+        next compaction starts from it and not from nothing)."""
+        if state != self.taskstate:
+            self.taskstate = state
+            self.host.taskstate_changed(state)
+
     def turn_started(self, prompt: str) -> None:
-        self.taskstate = start_turn(self.taskstate, prompt)
+        self.set_taskstate(start_turn(self.taskstate, prompt))
         self.safety.start_turn()
 
     def after_round(self) -> list[Action]:
@@ -238,7 +259,7 @@ class Agent:
         if rnd is None:
             return []
         self.tool_calls += len(rnd.reply.tool_calls)
-        self.taskstate = infer(self.taskstate, rnd, self.host.plan)
+        self.set_taskstate(infer(self.taskstate, rnd, self.host.plan))
         return self.safety.after_round(self.taskstate, failed=rnd.failed, planned=rnd.planned)
 
     async def compact_if_needed(self, *, overflow: bool = False) -> bool:
@@ -296,8 +317,8 @@ class Agent:
             if after is not None:
                 self.set_state(after)
         self.history.replace(r.messages)
-        self.taskstate = r.state
         self.host.history_replaced(r.messages, n)
+        self.set_taskstate(r.state)
         self.emit(
             "info",
             f"compacted {len(p.before)} messages into {len(r.messages)} (compactions/{n})",
@@ -312,6 +333,13 @@ class Agent:
         if post is not None and post.context.strip():
             self.add_message(Message("user", f"[postCompact hook]\n{post.context.strip()}"))
         return True
+
+    def clear(self) -> None:
+        """``ctl clear`` or an agent switch (a ``Clear`` record, which also says this):
+        the conversation and what was inferred from it go. The count of tool rounds
+        stays, as ``tcct`` does: it counts the session's, not the conversation's."""
+        self.history.clear()
+        self.taskstate = TaskState(rounds=self.taskstate.rounds)
 
     def taskstate_text(self) -> str:
         return to_json(self.taskstate)
@@ -344,6 +372,7 @@ class Agent:
                 else self.services.profile_prompt(self.cfg.agent)
             ),
             link=self.link,
+            permits=self.permits,
         )
 
     def ctxsz_text(self) -> str:

@@ -38,8 +38,8 @@ class Runtime:
     user_prompts: list[str]  # resolved ``userPrompts``: submitted when the agent starts
     backend: str | None
     model: str | None
-    tools: list[str]  # loaded at start
-    auto_load: list[str]  # loaded on the model's first call
+    tools: list[str]  # ``tools``: loaded at start
+    auto_load: list[str]  # ``autoLoad`` less what ``tools`` has: loaded at start after them
     allow_tools: tuple[str, ...] | None  # None: every tool
     params: GenerationParams
     thinking_budget: int | None
@@ -54,6 +54,11 @@ class Runtime:
     def permits(self, tool: str) -> bool:
         """Whether this agent may load or call ``tool`` (allowTools)."""
         return permits(self.allow_tools, tool)
+
+    @property
+    def initial_tools(self) -> list[str]:
+        """What the agent starts with: ``tools``, then ``autoLoad``."""
+        return [*self.tools, *self.auto_load]
 
     def hook_commands(self, event: str) -> list[str]:
         return self.hooks.get(event, [])

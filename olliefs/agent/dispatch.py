@@ -196,8 +196,16 @@ async def _run_one(rnd: Round, i: int) -> None:
     post = await host.hook(
         "postTool", tool=name, args=args, call_id=o.call.id, result=o.text, is_error=o.error
     )
-    if post is not None and post.context.strip() and o.text is not None:
-        o.text += f"\n[postTool hook]\n{post.context.strip()}"
+    # What the hooks said goes with the result, after it (the model reads the tool's own
+    # output first); a postTool block cannot undo the call, so it fails the result.
+    notes = [f"[preTool hook]\n{pre.context.strip()}"] if pre and pre.context.strip() else []
+    if post is not None and post.context.strip():
+        notes.append(f"[postTool hook]\n{post.context.strip()}")
+    if post is not None and post.blocked:
+        notes.append(f"[blocked by the postTool hook: {post.reason or '(no reason)'}]")
+        o.error = True
+    if notes:
+        o.text = "\n".join(x for x in [o.text, *notes] if x)
 
 
 async def _call(rnd: Round, o: Outcome, name: str, args: dict[str, Any]) -> None:

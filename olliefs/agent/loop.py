@@ -14,6 +14,7 @@ If toolsrv cannot be reached the turn goes on (the refresh says so with an error
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,6 +103,11 @@ class TurnHost(ToolHost, Protocol):
         True if the history was compacted."""
         ...
 
+    async def switch_backend(self, values: Mapping[str, str]) -> str | None:
+        """Apply a turnError hook's ``backend=`` / ``model=`` to the session (journaled,
+        as a ``cfg`` write); None when done, else why not (nothing changed then)."""
+        ...
+
 
 class TurnEnded(Exception):
     """The turn ends early for a reason the user is told (``error:`` line)."""
@@ -131,13 +137,16 @@ async def run_turn(host: TurnHost, prompt: str) -> None:
     finally:
         with trio.CancelScope(shield=True):
             last = next((m for m in reversed(host.history.messages) if m.role == "assistant"), None)
-            await host.hook(
+            post = await host.hook(
                 "postTurn",
                 prompt=prompt,
                 reply=last.content if last else "",
                 end=outcome.end,
                 rounds=outcome.rounds,
             )
+            if post is not None and post.context.strip():
+                # The model reads it with the next prompt.
+                host.add_message(Message("user", f"[postTurn hook]\n{post.context.strip()}"))
 
 
 @dataclass
@@ -214,6 +223,7 @@ async def refresh_tools(host: TurnHost) -> None:
 async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
     """One model reply, retried on rate limits, transient errors and dropped streams."""
     attempt = 0
+    hooked = False  # the turnError hook ran for this request
     while True:
         why = host.over_budget()
         if why is not None:
@@ -249,8 +259,12 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                 host.add_message(Message("assistant", "".join(text), "".join(reasoning)))
             raise
         except BackendError as err:
-            if attempt == 0:
-                await _turn_error(host, err, attempt)
+            if not hooked:
+                # Once per request: a request sent again after a switch that fails too
+                # takes the usual way, so two hooks cannot switch back and forth forever.
+                hooked = True
+                if await _turn_error(host, err, attempt):
+                    continue
             delay = host.retry.delay(err, attempt)
             if delay is None:
                 raise
@@ -279,19 +293,55 @@ def error_type(err: BackendError) -> str:
     return next((name for cls, name in ERROR_TYPES if isinstance(err, cls)), "error")
 
 
-async def _turn_error(host: TurnHost, err: BackendError, attempt: int) -> None:
-    """The turnError hook, before any retry. Exit 0 is "handled": its output joins the
+async def _turn_error(host: TurnHost, err: BackendError, attempt: int) -> bool:
+    """The turnError hook, at a request's first failure, before any retry.
+
+    Exit 0 with ``backend=NAME`` / ``model=NAME`` lines in its output is the seed's
+    recovery: they are applied to the session (a running turn refuses ``ctl backend``
+    and ``cfg``, so the hook cannot do it through the tree) and True is returned: the
+    request is sent again at once, on the new backend and model. Its other lines join
+    the context first. Lines that cannot be applied (an unknown backend) make a warning
+    and the usual handling. Exit 0 without them is "handled": its output joins the
     context and the turn ends without a retry. A block (exit 2) ends the turn too, with
-    the hook's reason already in chat. Anything else: the usual retries, then the error."""
+    the hook's reason already in chat. Anything else: the usual retries, then the error.
+    """
     r = await host.hook("turnError", error=str(err), error_type=error_type(err), attempt=attempt)
     if r is None:
-        return
+        return False
     if r.blocked:
         raise TurnEnded(f"{err} (retries blocked by the turnError hook)") from None
-    if r.ok:
-        if r.context.strip():
-            host.add_message(Message("user", f"[turnError hook]\n{r.context.strip()}"))
+    if not r.ok:
+        return False
+    switch, text = switch_directives(r.context)
+    if switch:
+        why = await host.switch_backend(switch)
+        if why is not None:
+            host.emit("info", f"hook turnError: not switched: {why}")
+            return False
+    if text:
+        host.add_message(Message("user", f"[turnError hook]\n{text}"))
+    if not switch:
         raise TurnEnded(f"{err} (handled by the turnError hook)") from None
+    to = " ".join(f"{k}={v}" for k, v in switch.items())
+    host.emit("info", f"turnError hook: switched to {to}; sending the request again")
+    return True
+
+
+SWITCH_KEYS = ("backend", "model")
+
+
+def switch_directives(output: str) -> tuple[dict[str, str], str]:
+    """A turnError hook's output: its ``backend=NAME`` and ``model=NAME`` lines (the
+    last of each wins), and the rest of its text."""
+    switch: dict[str, str] = {}
+    rest: list[str] = []
+    for line in output.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key in SWITCH_KEYS and value.strip() and not any(c.isspace() for c in value):
+            switch[key] = value
+        else:
+            rest.append(line)
+    return switch, "\n".join(rest).strip()
 
 
 async def _back_off(host: TurnHost, err: BackendError, delay: float) -> None:

@@ -13,8 +13,8 @@ userPrompts        prompts submitted, in order, when the agent starts (new sessi
                    ``ctl agent``), as if written to ``prompt``
 backend, model     switched to when the agent starts; absent: the session keeps its own
 tools              loaded at start (default ``["client_9p"]``)
-autoLoad           not loaded at start, but loaded without a ``tool_load`` the first time
-                   the model calls them
+autoLoad           loaded at start too, after ``tools``: where ``tools`` replaces the
+                   default, ``autoLoad`` adds to it
 allowTools         names or shell-style globs: the only tools this agent may load or call
                    (absent: all). ``tools`` and ``autoLoad`` must lie inside it
 maxSteps           tool rounds per turn before the final summary turn

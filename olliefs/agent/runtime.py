@@ -172,8 +172,10 @@ def preamble(
     cwd: str,
     profile_prompt: str,
     link: ToolLink,
+    permits: Callable[[str], bool] = lambda name: True,
 ) -> str:
-    """The system prompt: who the agent is, where it works, and how to get more tools."""
+    """The system prompt: who the agent is, where it works, and how to get more tools
+    (only those ``permits`` lets it load: the profile's allowTools)."""
     lines = [
         f"You are an agent of olliefs, session {session_id}, working in {cwd}.",
     ]
@@ -181,7 +183,7 @@ def preamble(
         lines += ["", profile_prompt.strip()]
     loaded = [n for n in link.wanted if n in link.metas] or list(link.wanted)
     lines += ["", "Loaded tools: " + (", ".join(loaded) if loaded else "none") + "."]
-    more = {n: m for n, m in sorted(link.catalogue.items()) if n not in link.wanted}
+    more = {n: m for n, m in sorted(link.catalogue.items()) if n not in link.wanted and permits(n)}
     if more:
         if "client_9p" in link.wanted:
             how = (

@@ -11,7 +11,6 @@ import os
 import re
 import weakref
 from collections.abc import Awaitable, Callable, Hashable, Iterable
-from pathlib import Path
 
 from olliefs.caller import Caller, tool_guard
 from olliefs.errors import DiskError, NotFound, OllieError
@@ -23,6 +22,7 @@ from olliefs.fs.nodes import (
     Control,
     Dir,
     DiskDir,
+    DiskFile,
     FifoOut,
     LogFile,
     Node,
@@ -115,6 +115,7 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "compactions": DiskDir(("s", u, "compactions"), s.compactions_dir(), "ignore", s.created),
         "taskstate": text("taskstate", a.taskstate_text),
         "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
+        "t": session_tools(reg, s, stamp("t/idx")),
     }
 
 
@@ -175,7 +176,7 @@ class PeerDir(Dir):
 
 
 # The sub-directories of a session directory (its nlink, without building its files).
-SESSION_SUBDIRS = ("branches", "peer", "compactions")
+SESSION_SUBDIRS = ("branches", "peer", "compactions", "t")
 
 
 class SessionDir(StaticDir):
@@ -321,31 +322,38 @@ class SessionsDir(Dir):
         await s.sync()
 
 
-def tools_dir(reg: Registry, stamps: dict[str, Stamp]) -> Dir:
-    """``t/``: what toolsrv serves — the synthetic ``idx`` and each tool's script (read-only
-    here) where this machine has it."""
+def session_tools(reg: Registry, s: Session, stamp: Stamp) -> Dir:
+    """``s/<id>/t/``: the tools this agent may load, as the root ``t/`` shows them (``idx``
+    and each tool's script, read-only here, where this machine has it), less those the
+    profile's allowTools does not permit. Looked at, the profile's runtime is built first
+    (a restored session builds it at its first need), so allowTools is the profile's."""
+    key = ("s", s.uid, "t")
+    live = lambda: not s.closed  # noqa: E731
+    permits = s.agent.permits
 
     def entries() -> dict[str, Node]:
-        idx = Text(("t", "idx"), reg.tools_idx_text, stamp=root_stamp(stamps, "t/idx"))
+        idx = Text((*key, "idx"), lambda: reg.tools_idx_text(permits), live, stamp=stamp)
         out: dict[str, Node] = {"idx": idx}
         for name in sorted(reg.catalogue):
-            path = reg.tool_script(name)
+            path = reg.tool_script(name) if permits(name) else None
             if path is not None:
-                out[name] = Text(("t", name), _reader(path))
+                out[name] = DiskFile((*key, name), path)
         return out
 
-    return StaticDir(("t",), entries, refresh=reg.fresh_catalogue)
+    return SessionToolsDir(
+        key, entries, live, born=s.created, refresh=lambda: _ready(s, reg.fresh_catalogue)
+    )
 
 
-def _reader(path: Path) -> Callable[[], str]:
-    def read() -> str:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
+class SessionToolsDir(StaticDir):
+    """Removal inside succeeds and does nothing, so that ``rm -r s/<id>`` reaches the
+    session's rmdir (SPEC 3.7), as in the other directories of a session."""
 
-    return read
+    async def unlink(self, name: str) -> None:
+        pass
+
+    async def rmdir(self, name: str) -> None:
+        pass
 
 
 def root_stamp(stamps: dict[str, Stamp], name: str) -> Stamp:

@@ -2,7 +2,8 @@
 
 Everything a session is can be rebuilt by replaying its journal: ``Create`` first, then
 prompts as they are acknowledged, turn boundaries, every event (which re-renders ``chat``
-and ``events``), history messages, usage, configuration changes and renames.
+and ``events``), history messages, usage, the TaskState, configuration changes and
+renames.
 
 Durability: records are written with ``write(2)`` as the turn goes (a killed daemon loses
 none of them: they are in the kernel), and the file is fsync'd when a prompt is
@@ -30,6 +31,7 @@ from typing import Any
 import msgspec
 
 from olliefs.agent.events import Event
+from olliefs.agent.taskstate import TaskState
 from olliefs.backend.base import Message, Usage
 from olliefs.errors import DiskError, disk_error
 
@@ -125,6 +127,14 @@ class Plan(msgspec.Struct, tag="plan"):
     text: str
 
 
+class TaskStateRec(msgspec.Struct, tag="taskstate"):
+    """The agent's TaskState (the ``taskstate`` file), whole, each time it changed: a
+    turn's goal, each tool round, a compaction, a clear. Restored as the last one read,
+    so the next compaction goes on from it instead of from nothing."""
+
+    state: TaskState
+
+
 class Replaced(msgspec.Struct, tag="replaced"):
     """A compaction replaced the history (the old one is in ``compactions/<n>/``)."""
 
@@ -150,6 +160,7 @@ Record = (
     | Rewind
     | Plan
     | Replaced
+    | TaskStateRec
 )
 
 

@@ -22,7 +22,7 @@ from olliefs.agent.build import Runtime, build_runtime
 from olliefs.agent.compact import checkpoint as checkpoint_messages
 from olliefs.agent.config import Cfg, resolve_cwd
 from olliefs.agent.events import Event, encode_line
-from olliefs.agent.profile import Profile, load_profile, profile_path
+from olliefs.agent.profile import DEFAULT_TOOLS, Profile, load_profile, permits, profile_path
 from olliefs.agent.runtime import ToolLink
 from olliefs.agent.shell import base_env
 from olliefs.backend.base import Backend, BackendError
@@ -253,11 +253,20 @@ class Registry:
         return {}
 
     def profile_tools(self, agent: str) -> list[str]:
-        tools = self.profile(agent).get("tools", ["client_9p"])
-        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
-            log.warning("profile %s: tools must be a list of names", agent)
-            return ["client_9p"]
-        return list(dict.fromkeys(tools))
+        """The tools a session of ``agent`` starts with: ``tools`` (default client_9p),
+        then ``autoLoad``, each only if allowTools permits it (as ``Runtime``)."""
+        prof = self.profile(agent)
+        names: list[str] = []
+        for key, default in (("tools", list(DEFAULT_TOOLS)), ("autoLoad", [])):
+            got = prof.get(key, default)
+            if not isinstance(got, list) or not all(isinstance(t, str) for t in got):
+                log.warning("profile %s: %s must be a list of names", agent, key)
+                got = default
+            names += got
+        allow = prof.get("allowTools")
+        if not isinstance(allow, list) or not all(isinstance(t, str) for t in allow):
+            allow = None
+        return [t for t in dict.fromkeys(names) if permits(allow, t)]
 
     def profile_prompt(self, agent: str) -> str:
         prompt = self.profile(agent).get("prompt", "")
@@ -296,10 +305,13 @@ class Registry:
     def known_tools(self, s: Session) -> set[str]:
         return set(self.catalogue) | set(s.agent.link.catalogue)
 
-    def tools_idx_text(self) -> str:
-        """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated."""
+    def tools_idx_text(self, permits: Callable[[str], bool] = lambda name: True) -> str:
+        """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated.
+        ``permits``: only the tools it lets through (a session's ``t/idx``)."""
         out = []
         for name, (meta, schema) in sorted(self.catalogue.items()):
+            if not permits(name):
+                continue
             args = msgspec.json.encode(schema).decode()
             flag = "parallel" if meta.parallel else "serial"
             out.append(f"{name}\t{meta.description}\t{args}\t{meta.tier}\t{flag}\n")
@@ -407,20 +419,30 @@ class Registry:
             raise InvalidRequest("s/new: cwd= is required")
         values["cwd"] = resolve_cwd(values["cwd"])
         caller.check_dir(values["cwd"], "s/new: cwd")
+        name = values.get("name", "")
+        parent = self.sessions.get(name.rpartition(SUB)[0]) if SUB in name else None
         if "agent" in values:
-            parent = self.sessions.get(values.get("name", "").rpartition("__")[0])
             caller.check(
                 parent is not None and parent.cfg.agent == values["agent"],
                 f"s/new: agent={values['agent']} (only the parent's profile, for a child "
                 "<parent>__<name>)",
             )
-        values.setdefault("agent", "default")
+        # A child (a subagent, ``<parent>__<name>``) is by default what its parent is
+        # now: its profile, backend and model (which a turnError hook or the user may
+        # have switched since the parent started).
+        values.setdefault("agent", parent.cfg.agent if parent is not None else "default")
         self.check_agent(values["agent"])
-        # The profile's backend and model, where s/new does not name them (as ctl agent).
-        prof = self.profile(values["agent"])
-        for key in ("backend", "model"):
-            if key not in values and isinstance(prof.get(key), str) and prof[key]:
-                values[key] = prof[key]
+        if parent is None or parent.cfg.agent != values["agent"]:
+            # The profile's backend and model, where s/new does not name them (as ctl
+            # agent does); a child of another profile than its parent's gets them too.
+            prof = self.profile(values["agent"])
+            for key in ("backend", "model"):
+                if key not in values and isinstance(prof.get(key), str) and prof[key]:
+                    values[key] = prof[key]
+        if parent is not None:
+            values.setdefault("backend", parent.cfg.backend)
+            if values["backend"] == parent.cfg.backend:
+                values.setdefault("model", parent.cfg.model)
         values.setdefault("backend", self.default_backend)
         self.check_backend(values["backend"])
         if "model" not in values:

@@ -46,6 +46,7 @@ from olliefs.agent.events import Event, EventRole, encode_line
 from olliefs.agent.loop import TurnEnded
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink
+from olliefs.agent.taskstate import TaskState
 from olliefs.backend.base import BackendError, Message, Usage
 from olliefs.caller import USER, Caller
 from olliefs.errors import (
@@ -313,6 +314,22 @@ class Session:
     def history_replaced(self, messages: list[Message], n: int) -> None:
         self.record(persist.Replaced(messages, n))
         self.turn_starts = [0]  # the compacted history is one turn's start
+
+    def taskstate_changed(self, state: TaskState) -> None:
+        self.record(persist.TaskStateRec(state))
+
+    async def switch_backend(self, values: Mapping[str, str]) -> None:
+        """A turnError hook's recovery (``loop._turn_error``): ``backend`` and ``model``
+        set as a ``cfg`` write sets them, in the turn that failed (where ``cfg`` and
+        ``ctl`` refuse them), before its request is sent again."""
+        if "backend" in values:
+            self.host.check_backend(values["backend"])
+        current = self.cfg.values()
+        changed = {k: v for k, v in values.items() if current[k] != v}
+        if changed:
+            self.set_cfg(changed, announce=False)
+        cfg = self.cfg
+        self.agent.context_length = await self.host.context_length(cfg.backend, cfg.model)
 
     def compact(self, focus: str) -> None:
         """``ctl compact [focus]``. During a turn (the agent compacting itself through its
@@ -791,21 +808,22 @@ class Session:
             values[key] = v
         self.set_cfg(values, announce=False)
         old = self.agent.link
-        link = ToolLink(self.host.toolsrv, self.uid, list(rt.tools))
+        tools = rt.initial_tools
+        link = ToolLink(self.host.toolsrv, self.uid, tools)
         link.on_dropped = self._tool_dropped
         if self._nursery is not None:
             link.bind(self._nursery)
         old.close()
         self.agent.link = link
-        self.record(persist.Tools(list(rt.tools)))
+        self.record(persist.Tools(tools))
         self._adopt(rt)
         if rt.max_steps:
             self.record(persist.MaxSteps(rt.max_steps))
             self.agent.max_steps = rt.max_steps
         self.record(persist.Clear())
-        self.agent.history.clear()
+        self.agent.clear()
         self.turn_starts.clear()
-        self.emit("info", f"agent {name}: tools {', '.join(rt.tools) or 'none'}; history cleared")
+        self.emit("info", f"agent {name}: tools {', '.join(tools) or 'none'}; history cleared")
         for note in rt.notes:
             self.emit("info", note)
         await self.sync()
@@ -886,7 +904,7 @@ class Session:
 
     def clear(self) -> None:
         self.record(persist.Clear(), strict=True)
-        self.agent.history.clear()
+        self.agent.clear()
         self.turn_starts.clear()
         self.emit("info", "history cleared")
 
@@ -935,13 +953,15 @@ class Session:
                 elif isinstance(rec, persist.Rename):
                     self.id = rec.id
                 elif isinstance(rec, persist.Clear):
-                    history.clear()
+                    self.agent.clear()
                     self.turn_starts.clear()
                 elif isinstance(rec, persist.Dropped):
                     dropped.update(rec.seqs)
                 elif isinstance(rec, persist.Replaced):
                     history.replace(rec.messages)
                     self.turn_starts = [0]
+                elif isinstance(rec, persist.TaskStateRec):
+                    self.agent.taskstate = rec.state
                 elif isinstance(rec, persist.Plan):
                     self.plan = rec.text
                 elif isinstance(rec, persist.MaxSteps):

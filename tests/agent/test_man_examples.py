@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 
 from olliefs.agent.hooks import hook_payload, run_hook
+from olliefs.agent.loop import switch_directives
 from olliefs.agent.profile import Profile, Status, check_complete
 from olliefs.agent.shell import base_env
 
@@ -41,7 +42,7 @@ def profile_examples() -> list[Profile]:
 
 
 def test_every_json_example_is_a_valid_profile() -> None:
-    assert len(profile_examples()) == 3
+    assert len(profile_examples()) == 4
     # The fragment that shows the hooks key is valid inside an object.
     fragment = next(b for b in examples() if b.startswith('"hooks"'))
     assert msgspec.json.decode(("{" + fragment + "}").encode(), type=Profile).hooks
@@ -98,3 +99,17 @@ async def test_the_logging_hook_script(tmp_path: Path) -> None:
     line = (tmp_path / "ollie-events.log").read_text()
     assert re.fullmatch(r"\d\d:\d\d:\d\d s1 preTool: \{.*\}\n", line)
     assert json.loads(line.split(": ", 1)[1])["tool"] == "t"
+
+
+async def test_the_fallback_example_switches_only_away_from_the_main_model(
+    tmp_path: Path,
+) -> None:
+    fallback = profile_examples()[3]
+    cmds = fallback.hook_commands("turnError")
+    for model, ok, switch in (("gpt-4o", True, {"model": "gpt-4o-mini"}), ("other", False, {})):
+        p = hook_payload(
+            "turnError", session_id="s1", agent="f", cwd=str(tmp_path), backend="openai",
+            model=model, error="openai: HTTP 503", error_type="transient", attempt=0,
+        )  # fmt: skip
+        res = await run_hook("turnError", cmds, p, cwd=str(tmp_path), env=base_env())
+        assert res.ok is ok and switch_directives(res.context) == (switch, ""), model

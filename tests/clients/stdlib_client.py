@@ -61,7 +61,7 @@ EXPECTED = {
         for f in (
             "cfg chat context cost ctl ctxsz env err events fifo.in fifo.out models offset "
             "plan prompt prompt.prev state statewait stream systemprompt tail taskstate "
-            "tcct tools usage peer/NAME branches/K/chat branches/K/context "
+            "tcct tools usage peer/NAME branches/K/chat branches/K/context t/idx t/* "
             "compactions/N/before.jsonl compactions/N/summary compactions/N/dropped"
         ).split()
     ),
@@ -119,6 +119,8 @@ class Client:
                 parts[3] = "K" if parts[2] == "branches" else "N"
             if len(parts) > 3 and parts[2] == "peer":
                 parts[3] = "NAME"
+            if len(parts) > 3 and parts[2] == "t" and parts[3] != "idx":
+                parts[3] = "*"
         elif parts[0] == "tr":
             parts[1] = "*" + os.path.splitext(parts[1])[1]
         elif parts[0] in ("m", "p", "tmp") or (parts[0] == "t" and parts[1] != "idx"):
@@ -315,6 +317,10 @@ def read_only_session_files(c: Client, sid: str) -> None:
         "chat context cost ctxsz env err models offset prompt.prev state statewait stream "
         "systemprompt tail taskstate tcct tools usage events fifo.out"
     )
+    # t/: what this agent may load (the default profile: every tool), read-only.
+    check(c.read(f"{d}/t/idx") == c.read("t/idx"), "t/idx of a session without allowTools")
+    check(c.read(f"{d}/t/file_read") == c.read("t/file_read"), "t/file_read of a session")
+    read_only += " t/idx t/file_read"
     for f in read_only.split():
         c.refuses_write(f"{d}/{f}")
     for f in ("ctl", "prompt", "fifo.in"):

@@ -24,7 +24,7 @@ import pytest
 
 from olliefs.agent.compact import CHECKPOINT_HEADER, COMPACTED_HEADER, PROMPT
 from olliefs.agent.loop import SUMMARY_PROMPT
-from olliefs.replay import Entry
+from olliefs.replay import Entry, ReplayServer
 from olliefs.testing import Daemon
 from tests.conftest import oserror, script
 
@@ -366,7 +366,7 @@ def test_turn_error_hook_failing_takes_the_normal_path(daemon: Daemon, hooked: s
     reqs = run(daemon, hooked, "go", '{"status": 503, "error": "overloaded"}', '{"reply": "ok"}')
     assert len(reqs) == 2  # the usual retry
     chat = daemon.read(f"s/{hooked}/chat")
-    assert "hook turnError:" in chat and "no retries today" in chat
+    assert ":: hook turnError (`" in chat and "exited 1: no retries today" in chat
     assert "retrying in " in chat and chat.endswith("assistant: ok\n")
     assert json.loads((daemon.work / "payload.json").read_text())["event"] == "turnError"
 
@@ -379,6 +379,92 @@ def test_turn_error_hook_exit_2_blocks_the_retries(daemon: Daemon, hooked: str) 
     assert lines[-2] == "error: blocked by the turnError hook: no retries today"
     assert lines[-1].startswith("error: ") and "overloaded" in lines[-1]
     assert not any(x.startswith("retrying") for x in lines)
+
+
+# The seed's recovery: the hook names another model (or backend) and the request is sent
+# again there. It logs the model each failure was on, and switches only away from "bad".
+RECOVER = (
+    'echo "$OLLIE_BACKEND/$OLLIE_MODEL $OLLIE_ERROR_TYPE" >> hook.log; '
+    'if [ "$OLLIE_MODEL" = bad ]; then cat switch; echo "the bad model is down"; fi'
+)
+
+
+@pytest.fixture
+def recovering(daemon_factory: Callable[..., Daemon], replay: ReplayServer) -> tuple[Daemon, str]:
+    """A session on model ``bad`` whose turnError hook switches to what the test writes
+    in ``switch``; every backend points at the replay server."""
+    d = daemon_factory(**replay.settings())
+    d.start()
+    with open(d.p("a/recover.json"), "w") as f:
+        f.write(json.dumps({"hooks": {"turnError": RECOVER}}))
+    return d, d.new(name="rec", agent="recover", model="bad")
+
+
+@pytest.mark.parametrize(
+    "switch", ["model=good\n", "backend=ollama\nmodel=good\n"], ids=["model", "backend"]
+)
+def test_turn_error_hook_switches_model_and_the_request_is_sent_again(
+    recovering: tuple[Daemon, str], switch: str
+) -> None:
+    """A provider that fails on one model and answers on another: the hook's
+    ``model=``/``backend=`` lines switch the session in the running turn (where ctl and
+    cfg refuse to), the request goes again at once on the new model, the turn goes on
+    there, and so does the session."""
+    d, sid = recovering
+    (d.work / "switch").write_text(switch)
+    backend = "ollama" if "backend" in switch else "openai"
+    d.replay.add(
+        script(
+            '{"for_model": "bad", "status": 503, "error": "overloaded"}',
+            '{"for_model": "good", "reply": "recovered"}',
+        )
+    )
+    reqs = run(d, sid, "go")
+    assert [r["model"] for r in reqs] == ["bad", "good"]  # no back-off, no retry on bad
+    assert [r.wire for r in d.replay.recorded] == ["openai", backend]
+    assert texts(reqs[1])[-2:] == ["go", "[turnError hook]\nthe bad model is down"]
+    chat = d.read(f"s/{sid}/chat")
+    assert f":: turnError hook: switched to {switch.strip().replace(chr(10), ' ')}; " in chat
+    assert chat.endswith("assistant: recovered\n")
+    assert "error:" not in chat and "retrying" not in chat
+    cfg = d.read(f"s/{sid}/cfg")
+    assert f"backend={backend}\n" in cfg and "model=good\n" in cfg
+    assert (d.work / "hook.log").read_text() == "openai/bad transient\n"
+    # The switch is the session's, journaled: the next turn and a restart keep it.
+    d.stop()
+    d.start()
+    assert d.read(f"s/{sid}/cfg") == cfg
+    assert run(d, sid, "again")[0]["model"] == "good"
+
+
+def test_a_turn_error_switch_that_fails_again_takes_the_usual_way(
+    recovering: tuple[Daemon, str],
+) -> None:
+    """Once per request: when the new model fails too, the hook is not asked again (two
+    hooks could switch back and forth forever); the usual retries follow, then the error."""
+    d, sid = recovering
+    (d.work / "switch").write_text("model=good\n")
+    fail = '{"for_model": "good", "status": 503, "error": "also down"}'
+    reqs = run(d, sid, "go", '{"for_model": "bad", "status": 503}', *[fail] * 4)
+    assert [r["model"] for r in reqs] == ["bad"] + ["good"] * 4  # 3 retries on good
+    assert (d.work / "hook.log").read_text() == "openai/bad transient\n"
+    lines = d.read(f"s/{sid}/chat").splitlines()
+    assert lines[-1].startswith("error: ") and "also down" in lines[-1]
+    assert sum(x.startswith("retrying in ") for x in lines) == 3
+
+
+def test_a_turn_error_switch_that_cannot_be_applied_is_a_warning(
+    recovering: tuple[Daemon, str],
+) -> None:
+    d, sid = recovering
+    (d.work / "switch").write_text("backend=nosuch\n")
+    reqs = run(d, sid, "go", '{"for_model": "bad", "status": 503}', '{"reply": "retried"}')
+    assert len(reqs) == 2  # the usual retry, on the same model
+    assert [r["model"] for r in reqs] == ["bad", "bad"]
+    chat = d.read(f"s/{sid}/chat")
+    assert ":: hook turnError: not switched: unknown backend: nosuch" in chat
+    assert "retrying in " in chat and chat.endswith("assistant: retried\n")
+    assert "model=bad\n" in d.read(f"s/{sid}/cfg")
 
 
 # ---- a subagent from a checkpoint -------------------------------------------------------

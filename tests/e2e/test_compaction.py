@@ -72,6 +72,13 @@ def test_taskstate_and_tcct(daemon: Daemon) -> None:
     daemon.wait_idle(sid)
     assert json.loads(daemon.read(f"s/{sid}/taskstate"))["goal"] == "the goal"
     assert daemon.read(f"s/{sid}/tcct") == "0\n"
+    # ``clear`` forgets the conversation and so what was inferred from it: the next
+    # prompt sets the goal again.
+    daemon.write(f"s/{sid}/ctl", "clear")
+    assert json.loads(daemon.read(f"s/{sid}/taskstate"))["goal"] == ""
+    daemon.prompt(sid, "another goal")
+    daemon.wait_idle(sid)
+    assert json.loads(daemon.read(f"s/{sid}/taskstate"))["goal"] == "another goal"
 
 
 # ---- ctl compact is the session's work ---------------------------------------------------

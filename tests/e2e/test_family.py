@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Callable
 
+from olliefs.replay import ReplayServer
 from olliefs.testing import Daemon
 from tests.conftest import oserror, script
 
@@ -51,3 +53,62 @@ def test_subagent_spawn_runs_a_child_session_and_returns_its_answer(daemon: Daem
     assert "user: count" in daemon.read("s/par__kid/chat")
     assert "child par__kid=$" in daemon.read(f"s/{sid}/cost")
     assert "par__kid" in os.listdir(daemon.p(f"s/{sid}/peer"))
+
+
+def spawn_call(i: int, **args: object) -> str:
+    return json.dumps(
+        {"tool_calls": [{"id": f"s{i}", "name": "subagent_spawn", "arguments": args}]}
+    )
+
+
+def test_a_fresh_subagent_runs_as_its_parent_does_now(
+    daemon_factory: Callable[..., Daemon], replay: ReplayServer
+) -> None:
+    """A fresh child is what its parent is: its profile, its backend and its model as
+    they are now (here switched since the parent started), not the daemon's defaults."""
+    d = daemon_factory(**replay.settings())
+    d.start()
+    spawner = {"model": "profile-model", "tools": ["client_9p", "subagent_spawn"]}
+    with open(d.p("a/spawner.json"), "w") as f:
+        f.write(json.dumps(spawner))
+    sid = d.new(name="par", agent="spawner", backend="ollama")
+    d.write(f"s/{sid}/cfg", "model=switched\n")
+    d.replay.add(
+        script(
+            spawn_call(1, name="kid", prompt="count"),
+            '{"reply": "the kid says 42"}',
+            '{"reply": "parent done"}',
+        )
+    )
+    d.prompt(sid, "delegate")
+    d.wait_chat(sid, "assistant: parent done", timeout=60)
+    d.wait_idle(sid)
+    assert "[par__kid] the kid says 42" in d.read(f"s/{sid}/chat")
+    kid = d.read("s/par__kid/cfg")
+    assert "backend=ollama\n" in kid and "model=switched\n" in kid and "agent=spawner\n" in kid
+    [request] = [r for r in d.replay.recorded if r.body["messages"][-1]["content"] == "count"]
+    assert request.wire == "ollama" and request.body["model"] == "switched"
+
+
+def test_a_refused_subagent_tells_the_model_why(daemon: Daemon) -> None:
+    """Deeper than OLLIE_SUBAGENT_DEPTH (3): s/new (a fresh child) and ctl fork (from a
+    checkpoint) refuse it with EINVAL, and the tool's failed result carries the tree's
+    reason, not only "Invalid argument"."""
+    deep = daemon.new(name="a__b__c__d")
+    daemon.write(f"s/{deep}/ctl", "tool_load subagent_spawn")
+    daemon.replay.add(
+        script(
+            spawn_call(1, name="kid", prompt="count"),
+            spawn_call(2, name="kid", prompt="count", checkpoint=True),
+            '{"reply": "too deep"}',
+        )
+    )
+    daemon.prompt(deep, "delegate")
+    daemon.wait_idle(deep)
+    reqs = daemon.replay.requests
+    results = [reqs[i]["messages"][-1]["content"] for i in (1, 2)]
+    why = "a__b__c__d__kid: subagent depth 4 is over the limit of 3 (OLLIE_SUBAGENT_DEPTH)"
+    assert results[0].startswith("[tool error] ")
+    assert f"s/new refused (Invalid argument): s/new: {why}" in results[0]
+    assert f"s/{deep}/ctl refused (Invalid argument): {why}" in results[1]
+    assert "a__b__c__d__kid" not in os.listdir(daemon.p("s"))

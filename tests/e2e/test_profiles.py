@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import subprocess
 
 import pytest
@@ -53,6 +54,11 @@ def test_switching_agent_rebuilds_and_clears(daemon: Daemon) -> None:
     tools = daemon.read(f"s/{sid}/tools")
     assert tools.splitlines()[0].startswith("client_9p") and "file_read" in tools
     assert f"Working in {daemon.work}" in daemon.read(f"s/{sid}/systemprompt")
+    # The model is offered the tools it may load, not the others.
+    daemon.prompt(sid, "after")
+    daemon.wait_idle(sid)
+    system = daemon.replay.requests[-1]["messages"][0]["content"]
+    assert "- file_grep:" in system and "execute_code" not in system
     assert "agent=mine\n" in daemon.read(f"s/{sid}/cfg")
     assert oserror(lambda: daemon.write(f"s/{sid}/ctl", "tool_load execute_code")) == errno.EINVAL
     assert "not permitted" in daemon.read(f"s/{sid}/err")
@@ -208,3 +214,54 @@ def test_editors_saving_a_profile_leave_the_reason_that_matters_in_err(daemon: D
     )
     assert r.returncode == 0 and '"z"' in path.read_text()
     assert daemon.read("err") == before
+
+
+@pytest.mark.parametrize("how", ["s/new", "ctl agent"])
+def test_auto_load_tools_are_loaded_when_the_agent_starts(daemon: Daemon, how: str) -> None:
+    """autoLoad adds to the tools an agent starts with (the default client_9p when the
+    profile has no ``tools``): the model gets their schemas from its first request on,
+    after a switch to the profile too; the shipped coding profile is one."""
+    put(daemon, "a/extra.json", json.dumps({"autoLoad": ["file_read", "reasoning_think"]}))
+    for agent in ("extra", "coding"):
+        if how == "s/new":
+            sid = daemon.new(name=f"al-{agent}", agent=agent)
+        else:
+            sid = daemon.new(name=f"al-{agent}")
+            daemon.write(f"s/{sid}/ctl", f"agent {agent}")
+        daemon.wait_idle(sid)
+        loaded = [line.split("\t")[0] for line in daemon.read(f"s/{sid}/tools").splitlines()]
+        profile = json.loads(daemon.read(f"a/{agent}.json"))
+        want = list(dict.fromkeys([*profile.get("tools", ["client_9p"]), *profile["autoLoad"]]))
+        assert loaded == want, agent
+        n0 = len(daemon.replay.requests)
+        daemon.prompt(sid, "hello")
+        daemon.wait_idle(sid)
+        sent = [t["function"]["name"] for t in daemon.replay.requests[n0]["tools"]]
+        assert sorted(sent) == sorted(want), agent
+
+
+def test_session_t_shows_the_tools_the_agent_may_load(daemon: Daemon) -> None:
+    """``s/ID/t/``: ``idx`` and a read-only script per tool, as the root ``t/`` has them,
+    but only the tools the profile's allowTools permits."""
+    put(daemon, "a/mine.json", json.dumps(MINE))
+    everything = sorted(os.listdir(daemon.p("t")))
+    assert "execute_code" in everything and "file_read" in everything
+    plain = daemon.new(name="plain")
+    assert sorted(os.listdir(daemon.p(f"s/{plain}/t"))) == everything
+    assert daemon.read(f"s/{plain}/t/idx") == daemon.read("t/idx")
+    sid = daemon.new(name="mine", agent="mine")
+    allowed = [n for n in everything if n == "client_9p" or n.startswith("file_")]
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/t"))) == sorted([*allowed, "idx"])
+    idx = daemon.read(f"s/{sid}/t/idx").splitlines()
+    assert [line.split("\t")[0] for line in idx] == [n for n in allowed if n != "idx"]
+    assert set(idx) <= set(daemon.read("t/idx").splitlines())
+    assert daemon.read(f"s/{sid}/t/file_read") == daemon.read("t/file_read")
+    assert not os.path.exists(daemon.p(f"s/{sid}/t/execute_code"))
+    mode = os.stat(daemon.p(f"s/{sid}/t/file_read")).st_mode
+    assert stat.S_ISREG(mode) and not mode & 0o222
+    assert stat.S_ISDIR(os.stat(daemon.p(f"s/{sid}/t")).st_mode)
+    assert oserror(lambda: daemon.write(f"s/{sid}/t/file_read", "x")) in (errno.EACCES, errno.EPERM)
+    assert oserror(lambda: put(daemon, f"s/{sid}/t/mine", "x")) in (errno.EACCES, errno.EPERM)
+    # A switch to another profile changes what it may load.
+    daemon.write(f"s/{sid}/ctl", "agent default")
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/t"))) == everything

@@ -44,10 +44,10 @@ def test_dot_entries_sorted_listings_and_nlink(daemon: Daemon) -> None:
     assert names[2:] == sorted(names[2:])
     root = subprocess.run(["ls", "-af", str(daemon.path)], capture_output=True, text=True)
     assert root.stdout.split()[:2] == [".", ".."]
-    # s/ holds one sub-directory per session; a session dir holds branches/, peer/ and
-    # compactions/.
+    # s/ holds one sub-directory per session; a session dir holds branches/, peer/,
+    # compactions/ and t/.
     assert os.stat(daemon.p("s")).st_nlink == 3
-    assert os.stat(daemon.p(f"s/{sid}")).st_nlink == 5
+    assert os.stat(daemon.p(f"s/{sid}")).st_nlink == 6
     assert os.stat(daemon.p(f"s/{sid}/chat")).st_nlink == 1
 
 

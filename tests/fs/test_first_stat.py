@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+from olliefs.settings import shipped_dir
 from tests.conftest import Daemon
 
 
@@ -26,5 +27,7 @@ def test_the_first_stat_of_each_file_of_a_new_or_forked_session_is_right(daemon:
 def test_empty_folders_have_the_time_they_came_to_be(daemon: Daemon) -> None:
     before = time.time() - 3600
     sid = daemon.new(name="dated")
-    for rel in (f"s/{sid}/branches", f"s/{sid}/compactions", "a"):
+    for rel in (f"s/{sid}/branches", f"s/{sid}/compactions"):  # the session's birth
         assert os.stat(daemon.p(rel)).st_mtime > before, rel
+    # no profile of the user's yet: the shipped profiles' time (the install's), not 1970
+    assert os.stat(daemon.p("a")).st_mtime == os.stat(shipped_dir() / "profiles").st_mtime

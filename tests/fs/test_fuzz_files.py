@@ -755,6 +755,8 @@ def kind_of(rel: str, sessions: set[str]) -> str:
             parts[3] = "NAME"
         if len(parts) > 3 and parts[2] in ("branches", "compactions"):
             return f"s/ID/{parts[2]}/"
+        if len(parts) > 3 and parts[2] == "t" and parts[3] != "idx":
+            parts[3] = "TOOL"
         return "/".join(parts)
     folder = parts[0]
     if len(parts) == 1:

@@ -40,6 +40,7 @@ SESSION_FILES = {
     "tools",
     "systemprompt",
     "tail",
+    "t",
 }
 
 
