@@ -36,11 +36,12 @@ Decisions this module makes:
   trigger (one big file read is enough), and a history that stays above the trigger
   compacts again before every request. Given a ``budget`` (the tokens the new history
   may take: the agent gives ``TARGET``, 30% of the context, less what every request
-  sends besides the history), ``plan`` moves the boundary later, a whole group at a time
-  (a message with the tool results that answer it), until the estimate of the cold and
-  warm zones (from the current TaskState) and the hot zone fits; the last group always
-  stays. If it still does not fit, the results the model has seen in the hot zone are
-  reduced like warm ones, oldest first.
+  sends besides the history), ``plan`` makes the estimate of the new history (cold and
+  warm zones from the current TaskState, and the hot zone) fit: first the results the
+  model has seen in the hot zone are reduced like warm ones, oldest first (big outputs
+  are what fills a context; the calls and the words around them stay), then the
+  boundary moves later, a whole group at a time (a message with the tool results that
+  answer it). The last group always stays.
 * **Result tiers at compaction.** In the hot zone a tool result the model has already
   answered after is reduced: a warm one to the one-line summary the compaction model
   gives for its id (or, if it gives none, its first line and its size), a cold one to
@@ -442,10 +443,11 @@ def plan(
 def _fit(
     before: tuple[Message, ...], start: int, last_assistant: int, state: TaskState, budget: int
 ) -> tuple[int, set[int]]:
-    """The hot boundary moved later, one group at a time (a message with the results that
-    follow it; the last group stays), then results the model has seen reduced, oldest
-    first, until the estimate of the new history is within ``budget``. Returns the
-    boundary and the results to reduce besides the warm ones."""
+    """Until the estimate of the new history is within ``budget``: results the model has
+    seen in the hot zone reduced, oldest first (the calls and the words around them
+    stay), then the boundary moved later, one group at a time (a message with the
+    results that follow it; the last group stays). Returns the boundary and the results
+    to reduce besides the warm ones."""
 
     def tokens(i: int) -> int:
         m = before[i]
@@ -457,13 +459,6 @@ def _fit(
     warm = warm_message(state.decisions)
     total = estimate_tokens(cold_message(state, COMPACTED_HEADER).content) + sum(sizes[start:])
     total += estimate_tokens(warm.content) if warm else 0
-    last_group = max((i for i, m in enumerate(before) if m.role != "tool"), default=0)
-    while total > budget and start < last_group:
-        nxt = start + 1
-        while before[nxt].role == "tool":
-            nxt += 1
-        total -= sum(sizes[start:nxt])
-        start = nxt
     reduce: set[int] = set()
     for i in range(start, last_assistant):
         if total <= budget:
@@ -473,7 +468,15 @@ def _fit(
             if sizes[i] > REDUCED_TOKENS:
                 reduce.add(i)
                 total -= sizes[i] - REDUCED_TOKENS
-    return start, reduce
+                sizes[i] = REDUCED_TOKENS
+    last_group = max((i for i, m in enumerate(before) if m.role != "tool"), default=0)
+    while total > budget and start < last_group:
+        nxt = start + 1
+        while before[nxt].role == "tool":
+            nxt += 1
+        total -= sum(sizes[start:nxt])
+        start = nxt
+    return start, {i for i in reduce if i >= start}
 
 
 def flatten(
