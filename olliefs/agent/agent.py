@@ -16,8 +16,9 @@ Split of responsibilities with the session:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -26,6 +27,8 @@ import trio
 
 from olliefs.agent.compact import (
     CompactionFailed,
+    NothingToCompact,
+    budget_for,
     next_snapshot_number,
     should_compact,
     write_snapshot,
@@ -35,7 +38,7 @@ from olliefs.agent.compact import plan as plan_compaction
 from olliefs.agent.config import Cfg
 from olliefs.agent.dispatch import tool_env
 from olliefs.agent.events import EventRole
-from olliefs.agent.history import History
+from olliefs.agent.history import History, estimate_tokens
 from olliefs.agent.hooks import (
     HOOK_TIMEOUT,
     HookEvent,
@@ -44,17 +47,18 @@ from olliefs.agent.hooks import (
     hook_payload,
     run_hook,
 )
-from olliefs.agent.loop import run_turn
+from olliefs.agent.loop import back_off, run_turn
 from olliefs.agent.profile import permits
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.runtime import ToolLink, preamble
 from olliefs.agent.safety import Action, Safety
 from olliefs.agent.shell import base_env
 from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
-from olliefs.backend.base import Backend, GenerationParams, Message, Usage
+from olliefs.backend.base import Backend, BackendError, GenerationParams, Message, Tool, Usage
 from olliefs.errors import DiskError, OllieError, disk_error
 from toolsrv.protocol import ToolMeta
 
+log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 
 CompactTrigger = Literal["auto", "overflow", "ctl"]
@@ -103,6 +107,9 @@ class Services:
     mountpoint: str
     memory_dir: str
     results_root: Path
+    # (backend, model) pairs that refused structured output: their compactions ask for
+    # the answer in the prompt only (for the daemon's lifetime).
+    plain_compaction: set[tuple[str, str]] = field(default_factory=set)
 
 
 class Agent:
@@ -142,6 +149,7 @@ class Agent:
         # user): the focus, taken before the turn's next request.
         self.compact_requested: str | None = None
         self.max_session_cost: float | None = None  # OLLIE_MAX_SESSION_COST
+        self._tools_tokens: tuple[list[Tool] | None, int] = (None, 0)
 
     # ---- the turn host --------------------------------------------------------------
 
@@ -183,6 +191,26 @@ class Agent:
             # previous request's, as the same objects (``WireCache``).
             self._system = Message("system", text)
         return [self._system, *self.history.for_model()]
+
+    def overhead_estimate(self) -> int:
+        """Tokens of what every request sends besides the history: the system prompt and
+        the tool schemas (a provider that reports no usage is measured by this)."""
+        tools, known = self._tools_tokens
+        if tools is not self.link.tools:  # rebuilt as a new list when the tools change
+            tools = self.link.tools
+            schemas = [(t.name, t.description, t.parameters) for t in tools]
+            known = estimate_tokens(_json.encode(schemas).decode()) if tools else 0
+            self._tools_tokens = (tools, known)
+        return estimate_tokens(self.systemprompt_text()) + known
+
+    def request_estimate(self) -> int:
+        """The estimate of a whole request: everything sent, not only the history."""
+        return self.history.estimate() + self.overhead_estimate()
+
+    def context_estimate(self) -> int:
+        """The context's size: what the provider reported for the latest request, else
+        (none reported, or a compaction since) the estimate of everything sent."""
+        return self.history.totals.last_context_tokens or self.request_estimate()
 
     async def checkpoint(self) -> None:
         """After each tool round: the journal reaches the disk (SPEC 4 persistence)."""
@@ -267,7 +295,7 @@ class Agent:
             if self.compact_requested is not None and not overflow:
                 focus, self.compact_requested = self.compact_requested, None
                 return await self.compact(focus, "ctl")
-            est = self.history.totals.last_context_tokens or self.history.estimate()
+            est = self.context_estimate()
             if not overflow and not should_compact(est, self.context_length):
                 return False
             return await self.compact("", "overflow" if overflow else "auto")
@@ -278,39 +306,68 @@ class Agent:
     async def compact(
         self, focus: str, trigger: CompactTrigger = "ctl", *, after: str | None = "thinking"
     ) -> bool:
-        """Compaction that loses nothing: the whole history goes to
-        ``compactions/<n>/`` (fsync'd) before the compacted one replaces it; a failed or
-        malformed answer keeps the old history and says why in chat. ``trigger`` is what
+        """Compaction that loses nothing and always shrinks: the whole history goes to
+        ``compactions/<n>/`` (fsync'd) before the compacted one replaces it. An answer
+        the model gets wrong, or a request that fails after the usual retries, gives a
+        mechanical compaction (``compact.py``), said so in chat. ``trigger`` is what
         the hooks are told: ``auto`` (half the context), ``overflow`` (the provider
         refused the request), ``ctl`` (``ctl compact``, with or without a focus).
         ``after`` is the state once it is over (None: the caller says, as the session
         does for a compaction outside a turn, which must not show ``thinking`` on its
         way back to ``idle``). preCompact's output is further instructions for the
         compaction model (the chat line names only the user's focus); postCompact's
-        joins the new context. A snapshot the disk refuses (full) raises ``DiskError``,
-        the history kept: ``ctl compact`` is refused with it, a compaction in a turn
-        says so and goes on."""
-        tokens = self.history.totals.last_context_tokens or self.history.estimate()
-        pre = await self.hook("preCompact", trigger=trigger, focus=focus, tokens=tokens)
-        if pre is not None and pre.blocked:
-            return False
-        ask = focus
-        if pre is not None and pre.context.strip():
-            ask = "\n".join(x for x in (focus, pre.context.strip()) if x)
-        self.set_state("compacting")
-        self.emit("info", "compacting" + (f" (focus: {focus})" if focus else ""))
+        joins the new context. Nothing to compact is said in chat when asked for, and
+        only logged for the automatic trigger (which would say it after every round of
+        a context that stays above it). A snapshot the disk refuses (full) raises
+        ``DiskError``, the history kept: ``ctl compact`` is refused with it, a
+        compaction in a turn says so and goes on."""
+        tokens = self.context_estimate()
         try:
             p = plan_compaction(
-                self.history.messages, self.taskstate, ask, max_chars=self.context_length * 2
+                self.history.messages,
+                self.taskstate,
+                focus,
+                max_chars=self.context_length * 2,
+                budget=budget_for(self.context_length, self.overhead_estimate()),
             )
-            model = self.compaction_model or self.cfg.model
-            r = await run_compaction(self.backend(), model, p, self.params())
-            where = self.host.compactions_dir()
-            n = next_snapshot_number(where)
-            await trio.to_thread.run_sync(write_snapshot, where, n, p.before, r.summary, r.dropped)
+        except NothingToCompact as err:
+            if trigger == "auto":
+                log.debug("session %s: %s", self.host.id, err.reason)
+            else:
+                self.emit("info", err.reason)
+            return False
         except CompactionFailed as err:
             self.emit("error", f"compaction failed, history kept: {err}")
             return False
+        pre = await self.hook("preCompact", trigger=trigger, focus=focus, tokens=tokens)
+        if pre is not None and pre.blocked:
+            return False
+        if pre is not None and pre.context.strip():
+            p = replace(p, focus="\n".join(x for x in (p.focus, pre.context.strip()) if x))
+        self.set_state("compacting")
+        self.emit("info", "compacting" + (f" (focus: {focus})" if focus else ""))
+        try:
+            model = self.compaction_model or self.cfg.model
+            key = (self.cfg.backend, model)
+            r = await run_compaction(
+                self.backend(),
+                model,
+                p,
+                self.params(),
+                structured=key not in self.services.plain_compaction,
+                retry=self.retry,
+                wait=self._compaction_wait,
+            )
+            if r.schema_refused:
+                self.services.plain_compaction.add(key)
+                self.emit(
+                    "info",
+                    f"{self.cfg.backend} refused structured output for {model}: "
+                    "compactions there ask for the answer in the prompt only",
+                )
+            where = self.host.compactions_dir()
+            n = next_snapshot_number(where)
+            await trio.to_thread.run_sync(write_snapshot, where, n, p.before, r.summary, r.dropped)
         except OSError as err:
             raise disk_error(err, "compaction failed, history kept: compactions/") from None
         finally:
@@ -319,9 +376,11 @@ class Agent:
         self.history.replace(r.messages)
         self.host.history_replaced(r.messages, n)
         self.set_taskstate(r.state)
+        how = f" mechanically (compactions/{n}): {r.mechanical}" if r.mechanical else ""
         self.emit(
             "info",
-            f"compacted {len(p.before)} messages into {len(r.messages)} (compactions/{n})",
+            f"compacted {len(p.before)} messages into {len(r.messages)}"
+            + (how or f" (compactions/{n})"),
         )
         post = await self.hook(
             "postCompact",
@@ -340,6 +399,10 @@ class Agent:
         stays, as ``tcct`` does: it counts the session's, not the conversation's."""
         self.history.clear()
         self.taskstate = TaskState(rounds=self.taskstate.rounds)
+
+    async def _compaction_wait(self, err: BackendError, delay: float) -> None:
+        """A compaction request's retry waits, shown as a turn's are (``limitretry``)."""
+        await back_off(self, err, delay, resume="compacting")
 
     def taskstate_text(self) -> str:
         return to_json(self.taskstate)
@@ -376,7 +439,7 @@ class Agent:
         )
 
     def ctxsz_text(self) -> str:
-        est = self.history.totals.last_context_tokens or self.history.estimate()
+        est = self.context_estimate()
         pct = 100.0 * est / self.context_length if self.context_length else 0.0
         return f"{est} / {self.context_length} ({pct:.0f}%)\n"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import msgspec
@@ -60,9 +61,12 @@ class History:
     reported none) and for the messages as the model sees them; both walked the whole
     history, so a session's 500th turn paid for its first 499 again. Here the figures
     follow the changes: an append adds one message's estimate, a cut drops a tail of
-    running sums, a replace starts over. ``messages`` is read freely but changed only
-    through ``append``, ``truncate``, ``replace`` and ``clear``; a change made to the
-    list behind the history's back is noticed by its length and recounted whole.
+    running sums, a replace starts over. The size is that of the messages as sent
+    (``for_model``): a cold result counts as its collapsed line once the model has
+    answered after it, which the append of that answer accounts for. ``messages`` is
+    read freely but changed only through ``append``, ``truncate``, ``replace`` and
+    ``clear``; a change made to the list behind the history's back is noticed by its
+    length and recounted whole.
     """
 
     def __init__(self, messages: list[Message] | None = None) -> None:
@@ -71,6 +75,9 @@ class History:
         self._sums: list[int] = []  # _sums[i]: the estimate of messages[: i + 1]
         self._cold: list[int] = []  # indices of cold tool results, ascending
         self._last_assistant = -1
+        self._savings: list[int] = []  # per cold result: its estimate less its collapsed one
+        self._saved = 0  # the savings of the first _saved_upto cold results (the collapsed)
+        self._saved_upto = 0
         self._collapsed: dict[int, tuple[Message, Message]] = {}  # id -> (cold, collapsed)
         self.wire = WireCache()  # its encoded messages, for the backend (``Backend.stream``)
         if messages:
@@ -88,10 +95,13 @@ class History:
         del self._sums[n:]
         while self._cold and self._cold[-1] >= n:
             self._cold.pop()
+            self._savings.pop()
         if self._last_assistant >= n:
             self._last_assistant = next(
                 (i for i in range(n - 1, -1, -1) if self.messages[i].role == "assistant"), -1
             )
+        self._saved_upto = bisect.bisect_left(self._cold, self._last_assistant)
+        self._saved = sum(self._savings[: self._saved_upto])
 
     def clear(self) -> None:
         self.replace([])
@@ -105,8 +115,9 @@ class History:
         self._recount()
 
     def estimate(self) -> int:
+        """The estimate of the messages as sent (``for_model``)."""
         self._fresh()
-        return self._sums[-1] if self._sums else 0
+        return (self._sums[-1] if self._sums else 0) - self._saved
 
     def for_model(self) -> list[Message]:
         """The messages as the model gets them: cold tool results collapsed (SPEC 4).
@@ -132,14 +143,22 @@ class History:
         return out
 
     def _count(self, i: int, m: Message) -> None:
-        self._sums.append((self._sums[-1] if self._sums else 0) + estimate_tokens(message_text(m)))
+        text = message_text(m)
+        tokens = estimate_tokens(text)
+        self._sums.append((self._sums[-1] if self._sums else 0) + tokens)
         if m.role == "assistant":
             self._last_assistant = i
+            cold, savings = self._cold, self._savings
+            while self._saved_upto < len(cold) and cold[self._saved_upto] < i:
+                self._saved += savings[self._saved_upto]
+                self._saved_upto += 1
         elif m.role == "tool" and m.tier == "cold":
             self._cold.append(i)
+            self._savings.append(tokens - estimate_tokens(collapse(m) + text[len(m.content) :]))
 
     def _recount(self) -> None:
         self._sums, self._cold, self._last_assistant = [], [], -1
+        self._savings, self._saved, self._saved_upto = [], 0, 0
         live = {id(m) for m in self.messages}
         self._collapsed = {k: v for k, v in self._collapsed.items() if k in live}
         for i, m in enumerate(self.messages):

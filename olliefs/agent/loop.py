@@ -76,6 +76,10 @@ class TurnHost(ToolHost, Protocol):
 
     def request_messages(self) -> list[Message]: ...
 
+    def request_estimate(self) -> int:
+        """Estimated tokens of a whole request (history, system prompt, tool schemas)."""
+        ...
+
     async def checkpoint(self) -> None: ...
 
     def take_injection(self) -> str | None:
@@ -268,7 +272,7 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
             delay = host.retry.delay(err, attempt)
             if delay is None:
                 raise
-            await _back_off(host, err, delay)
+            await back_off(host, err, delay)
             attempt += 1
             continue
         reply = Message(
@@ -344,7 +348,11 @@ def switch_directives(output: str) -> tuple[dict[str, str], str]:
     return switch, "\n".join(rest).strip()
 
 
-async def _back_off(host: TurnHost, err: BackendError, delay: float) -> None:
+async def back_off(
+    host: TurnHost, err: BackendError, delay: float, *, resume: str = "thinking"
+) -> None:
+    """Wait ``delay`` before a retry, shown as a ``retry`` event (``limitretry`` and that
+    state for a 429); then the state is ``resume`` again."""
     limited = isinstance(err, RateLimitError)
     role: EventRole = "limitretry" if limited else "retry"
     log.info("retrying in %ss after %s: %s", delay, type(err).__name__, err)
@@ -352,14 +360,14 @@ async def _back_off(host: TurnHost, err: BackendError, delay: float) -> None:
     if limited:
         host.set_state("limitretry")
     await trio.sleep(delay)
-    host.set_state("thinking")
+    host.set_state(resume)
 
 
 def _account(host: TurnHost, reply: Message, usage: Usage | None) -> None:
     estimated = usage is None or (usage.input_tokens == 0 and usage.output_tokens == 0)
     if usage is None or estimated:
         usage = Usage(
-            input_tokens=host.history.estimate(),
+            input_tokens=host.request_estimate(),
             output_tokens=estimate_tokens(reply.content + reply.reasoning),
         )
     cost = request_cost(host.model, usage, host.backend().name)

@@ -20,7 +20,10 @@ What the request side has to get right:
   the two latest large tool results (four is the API's maximum per request);
 * extended thinking takes ``thinking.budget_tokens`` (at least 1024, below
   ``max_tokens``) and refuses a changed temperature; frequency and presence penalties do
-  not exist here and are left out.
+  not exist here and are left out;
+* structured output (``response_schema``) is a forced tool: ``tool_choice`` names the one
+  tool whose ``input_schema`` is the answer's schema, and the answer comes back as that
+  tool's call; thinking is left out then (the API refuses it with a forced tool).
 
 Usage: Anthropic's ``input_tokens`` excludes cache reads and cache writes; ours includes
 them (see ``Usage``), so the three are added up.
@@ -62,6 +65,7 @@ CONTEXT_LENGTH = 200000
 MIN_THINKING_BUDGET = 1024
 LARGE_TOOL_RESULT = 4096  # characters; smaller results are not worth a cache breakpoint
 _EPHEMERAL = {"type": "ephemeral"}
+ANSWER_TOOL = "Give your answer: call this tool once, with the whole answer as its input."
 
 STOP_REASONS = {
     "end_turn": "stop",
@@ -384,6 +388,13 @@ def request_body(
     _mark_large_results(wire, min(2, breakpoints))
     body["messages"] = wire
     budget = params.thinking_budget
+    if (answer := params.response_schema) is not None:
+        # Structured output is a tool the model must call, whose input is the answer.
+        # The API refuses a forced tool together with thinking: thinking is left out.
+        tool = {"name": answer.name, "description": ANSWER_TOOL, "input_schema": answer.schema}
+        body["tools"] = [*body.get("tools", ()), tool]
+        body["tool_choice"] = {"type": "tool", "name": answer.name}
+        budget = None
     if budget:
         budget = max(budget, MIN_THINKING_BUDGET)
         if max_tokens <= budget:

@@ -94,6 +94,23 @@ class Usage(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     cost: float | None = None  # USD, when the provider reports it (OpenRouter)
 
 
+class ResponseSchema(msgspec.Struct, frozen=True):
+    """Ask for a reply that is one JSON object of ``schema`` (structured output).
+
+    ``schema`` is a JSON Schema in the strict form OpenAI asks for (every property
+    required, ``additionalProperties: false``), which the others accept as it is or
+    nearly. Each backend maps it to its own wire: OpenAI (Copilot, OpenRouter)
+    ``response_format`` of type ``json_schema``, strict; Ollama ``format``; Gemini
+    ``responseMimeType`` + ``responseSchema``; Anthropic a forced tool named ``name``
+    whose ``input_schema`` is the schema, so the answer comes back as that tool's call
+    (its ``arguments``), not as text. Kiro has no such field and sends none: the caller
+    reads the text leniently whatever the wire.
+    """
+
+    name: str  # [A-Za-z0-9_-]{1,64}: both an OpenAI schema name and a tool name
+    schema: dict[str, Any]
+
+
 class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Sampling parameters; ``None`` leaves the provider's default.
 
@@ -101,6 +118,9 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ``thinking.budget_tokens``, Gemini's ``thinkingBudget``, Ollama's ``think``, a
     ``reasoning_effort`` for OpenAI reasoning models (ollie-replay(1) lists the mapping).
     0 turns thinking off where the provider allows it.
+
+    ``response_schema`` asks for structured output (``ResponseSchema``); compaction is
+    its only user.
     """
 
     max_tokens: int | None = None
@@ -108,6 +128,7 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     thinking_budget: int | None = None
+    response_schema: ResponseSchema | None = None
 
 
 StreamKind = Literal["content", "reasoning", "tool_calls", "usage", "done"]

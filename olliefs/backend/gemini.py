@@ -13,7 +13,8 @@ Requests: ``contents`` with roles ``user`` and ``model``, tool results as
 ``functionResponse`` parts (in a user turn, by function name and id), the system prompt as
 ``systemInstruction``, tools as ``functionDeclarations`` (``parametersJsonSchema``, which
 takes JSON Schema as it is), parameters in ``generationConfig``, thinking as
-``thinkingConfig.thinkingBudget``. Thought signatures are sent back on the parts they
+``thinkingConfig.thinkingBudget``, structured output as ``responseMimeType`` +
+``responseSchema``. Thought signatures are sent back on the parts they
 came with (Gemini requires that for function calls of thinking models): they travel in
 ``Message.provider_data["gemini"]``.
 
@@ -310,9 +311,35 @@ def request_body(
     if params.thinking_budget is not None:
         budget = params.thinking_budget
         config["thinkingConfig"] = {"thinkingBudget": budget, "includeThoughts": budget != 0}
+    if params.response_schema is not None:
+        config["responseMimeType"] = "application/json"
+        config["responseSchema"] = response_schema(params.response_schema.schema)
     if config:
         body["generationConfig"] = config
     return body
+
+
+def response_schema(schema: Any) -> Any:
+    """A JSON Schema as Gemini's ``Schema`` (an OpenAPI subset) takes it, the way the SDK
+    sends one: types in capitals, properties in their order (``propertyOrdering``: Gemini
+    otherwise orders them by name), ``additionalProperties`` left out (older API versions
+    refuse it, and an extra key costs nothing to whoever reads the answer)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "additionalProperties":
+            continue
+        if key == "type" and isinstance(value, str):
+            out[key] = value.upper()
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: response_schema(sub) for name, sub in value.items()}
+            out["propertyOrdering"] = list(value)
+        elif key == "items":
+            out[key] = response_schema(value)
+        else:
+            out[key] = value
+    return out
 
 
 # ---- the backend ---------------------------------------------------------------------------

@@ -24,7 +24,8 @@ keeps the same list):
 
 There is no system prompt field, so the system prompt opens the first user message; there
 is no end-of-stream event, so a stream is complete when its body ends on a frame
-boundary. Generation parameters and thinking have no fields and are not sent.
+boundary. Generation parameters, thinking and structured output (``response_schema``)
+have no fields and are not sent: a caller that wants JSON asks for it in the prompt.
 """
 
 from __future__ import annotations

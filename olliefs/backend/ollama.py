@@ -8,7 +8,8 @@ content, which is kept. An ``{"error": ...}`` line reports a failure mid-stream.
 
 Requests put the generation parameters under ``options`` (``num_predict``,
 ``temperature``, ``frequency_penalty``, ``presence_penalty``, ``num_ctx``); thinking is
-the ``think`` flag (a budget has no equivalent: any budget turns it on, 0 off).
+the ``think`` flag (a budget has no equivalent: any budget turns it on, 0 off); a
+``response_schema`` is ``format`` (Ollama's structured output takes the JSON Schema).
 
 The context length comes from ``POST /api/show``: the ``num_ctx`` the model was created
 with, else the architecture's ``<arch>.context_length``, capped by the ``num_ctx`` this
@@ -200,6 +201,8 @@ def request_body(
         body["options"] = options
     if params.thinking_budget is not None:
         body["think"] = params.thinking_budget > 0
+    if params.response_schema is not None:
+        body["format"] = params.response_schema.schema  # structured output: the schema
     return body
 
 

@@ -15,7 +15,9 @@ becomes a typed error rather than a silently shorter reply. The drift this reads
 
 Requests to reasoning models (o1, o3, o4, gpt-5) use ``max_completion_tokens`` and leave
 out the sampling parameters those models refuse; ``thinking_budget`` becomes a
-``reasoning_effort`` there, and ``reasoning.max_tokens`` on OpenRouter.
+``reasoning_effort`` there, and ``reasoning.max_tokens`` on OpenRouter. A
+``response_schema`` becomes ``response_format`` of type ``json_schema``, strict (Copilot
+and OpenRouter take the same).
 """
 
 from __future__ import annotations
@@ -446,6 +448,9 @@ def request_body(
     }
     if tools:
         body["tools"] = function_tools(tools)
+    if (answer := params.response_schema) is not None:
+        schema = {"name": answer.name, "schema": answer.schema, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     sampling = {
         "temperature": params.temperature,
         "frequency_penalty": params.frequency_penalty,

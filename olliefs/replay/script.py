@@ -92,6 +92,12 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
     ``ping`` event).
 ``no_final_newline``
     End the last event without its trailing blank line (or newline).
+``refuse_schema``
+    A request that asks for structured output (OpenAI ``response_format``, Ollama
+    ``format``, Gemini ``responseSchema``, Anthropic a forced ``tool_choice``: the
+    ``schema`` of ``Recorded``) gets the wire's 400 instead ("structured output is not
+    supported for this model"), and the entry stays for the next request: a provider
+    that refuses the schema and answers the same request without it.
 ``flood``
     Start one payload (an SSE ``data:`` line, an NDJSON line, an event stream frame that
     announces this size; with ``status``, a JSON error body) and send this many bytes of
@@ -198,6 +204,10 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     cut_after: Count | None = None
     byte_delay: NonNegative = 0.0
     silent: bool = False
+    refuse_schema: bool = False
+
+
+SCHEMA_REFUSED = "structured output is not supported for this model"
 
 
 def parse_script(text: str) -> list[Entry]:
@@ -215,14 +225,16 @@ def parse_script(text: str) -> list[Entry]:
 
 
 class Recorded(msgspec.Struct, frozen=True):
-    """One model request as the server received it (header names in lower case), and the
-    model it asked for."""
+    """One model request as the server received it (header names in lower case), the
+    model it asked for, and the structured output it asked for (the JSON Schema in the
+    wire's own form, ``{}`` for any JSON; None: none)."""
 
     wire: str
     path: str
     headers: dict[str, str]
     body: Any
     model: str = ""
+    schema: Any = None
 
 
 class Script:
@@ -263,13 +275,16 @@ class Script:
 
     def take(self, recorded: Recorded, user_text: str, model: str = "") -> tuple[int, Entry]:
         """Record a request and pick its answer: the next entry for ``model`` (one without
-        ``for_model`` fits any), or the fallback."""
+        ``for_model`` fits any), or the fallback. An entry that refuses the request's
+        schema answers 400 and stays."""
         with self._lock:
             self._recorded.append(recorded)
             self._recorded_more.notify_all()
             n = next(self._counter)
             for i, entry in enumerate(self._entries):
                 if entry.for_model is None or entry.for_model == model:
+                    if entry.refuse_schema and recorded.schema is not None:
+                        return n, Entry(status=400, error=SCHEMA_REFUSED)
                     del self._entries[i]
                     return n, entry
         if self.then == "error":

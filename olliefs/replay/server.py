@@ -351,7 +351,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._fail(wire, 400, "request body must be a JSON object")
         headers = {k.lower(): v for k, v in self.headers.items()}
         model = wire.model(request, path_model) or self.replay.models[0]
-        recorded = Recorded(wire.name, self.path, headers, request, model)
+        recorded = Recorded(wire.name, self.path, headers, request, model, wire.schema(request))
         n, entry = self.replay.script.take(recorded, wire.user_text(request), model)
         answer = Answer(n, entry, model, wire.prompt_chars(request))
         self._faults = entry

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from olliefs.agent import compact as C
 from olliefs.agent.compact import CompactionFailed, plan, problems, read_snapshot, write_snapshot
+from olliefs.agent.history import estimate_tokens, message_text
 from olliefs.agent.taskstate import MAX_DECISIONS, TaskState
 from olliefs.backend.base import Message, ToolCall
 from tests.agent.scripted import Reply, ScriptedBackend
@@ -62,13 +63,23 @@ def test_compaction_of_any_history_is_valid_and_lossless(
     msgs: list[Message], hot: int, summaries: bool, data: st.DataObject
 ) -> None:
     assert problems(msgs) == []  # the generator makes what the loop makes
+    budget = data.draw(st.sampled_from([0, 0, 1, 60, 400]))
+    groups = [i for i, m in enumerate(msgs) if m.role != "tool"]
     try:
         p = plan(
-            msgs, TaskState(goal="g"), "", hot=hot, max_chars=data.draw(st.sampled_from([0, 500]))
+            msgs,
+            TaskState(goal="g"),
+            "",
+            hot=hot,
+            max_chars=data.draw(st.sampled_from([0, 500])),
+            budget=budget,
         )
     except CompactionFailed as err:
         assert "nothing to compact" in err.reason
-        assert len(msgs) <= hot or msgs[max(0, len(msgs) - hot)].role == "tool"
+        if budget:
+            assert len(groups) == 1 or len(msgs) <= hot
+        else:
+            assert len(msgs) <= hot or msgs[max(0, len(msgs) - hot)].role == "tool"
         return
     results = {msgs[i].tool_call_id: "s" for i in p.summarize} if summaries else {}
     doc = {
@@ -87,6 +98,9 @@ def test_compaction_of_any_history_is_valid_and_lossless(
     kept = new[len(new) - (len(msgs) - p.hot_start) :]
     assert kept[0].role != "tool"
     assert len(kept) >= min(hot, len(msgs) - p.hot_start)
+    if budget:  # the hot zone fits, or it is the last group alone
+        size = sum(estimate_tokens(message_text(m)) for m in kept)
+        assert size <= budget or p.hot_start == groups[-1], (size, budget)
     for i, m in zip(range(p.hot_start, len(msgs)), kept, strict=True):
         old = msgs[i]
         assert (m.role, m.tool_calls, m.tool_call_id, m.name) == (

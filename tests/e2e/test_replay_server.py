@@ -21,6 +21,9 @@ import httpx
 import msgspec
 import pytest
 
+from olliefs.backend import pool
+from olliefs.backend.base import BadResponseError, GenerationParams, Message, ResponseSchema
+from olliefs.backend.gemini import response_schema as gemini_schema
 from olliefs.replay import Entry, EntryToolCall, EntryUsage, ReplayServer, parse_script, run_cli
 from olliefs.testing import wait_until
 
@@ -832,3 +835,41 @@ def test_cli_env_flag(tmp_path: Path) -> None:
     assert settings["OLLIE_COPILOT_TOKEN_URL"] == f"{base}/copilot_internal/v2/token"
     assert settings["OLLIE_KIRO_KEY"] == "k1"
     assert proc.returncode == 0
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"state": {"type": "string"}},
+    "required": ["state"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("wire", ["openai", "copilot", "anthropic", "ollama", "gemini", "kiro"])
+async def test_the_schema_a_request_asks_for_is_recorded_and_can_be_refused(
+    serve: Serve, wire: str
+) -> None:
+    """Each wire's structured output, sent by our own backend, is seen as the schema it
+    is; ``refuse_schema`` answers it 400 and keeps the entry for the request without."""
+    server = serve([Entry(refuse_schema=True, reply='{"state": "s"}')], key="sk-replay-test")
+    backend = pool.make_backend(wire, server.settings())
+    asked = GenerationParams(response_schema=ResponseSchema("answer", SCHEMA))
+
+    async def ask(params: GenerationParams) -> str:
+        async with backend.stream("replay", [Message("user", "hi")], [], params) as events:
+            return "".join([e.text async for e in events if e.kind == "content"])
+
+    try:
+        if wire == "kiro":  # no structured output there: nothing to refuse
+            assert await ask(asked) == '{"state": "s"}'
+            assert server.recorded[-1].schema is None
+            return
+        with pytest.raises(BadResponseError, match="HTTP 400: structured output is not"):
+            await ask(asked)
+        seen = server.recorded[-1].schema
+        assert seen == (gemini_schema(SCHEMA) if wire == "gemini" else SCHEMA)
+        assert await ask(GenerationParams()) == '{"state": "s"}'
+        assert server.recorded[-1].schema is None
+        assert await ask(GenerationParams()) == "echo: hi"  # the entry was taken
+    finally:
+        await backend.aclose()

@@ -100,7 +100,9 @@ def test_new_session_and_its_files(daemon: Daemon) -> None:
     }
     assert daemon.read("s/demo/usage") == "0 in, 0 out, 0 requests, 0 cached\n"
     assert daemon.read("s/demo/cost") == "costLast=$0.0000\ncostSession=$0.0000\n"
-    assert daemon.read("s/demo/ctxsz") == "0 / 128000 (0%)\n"
+    # Before any request the context holds what every request sends: the system prompt.
+    system = len(daemon.read("s/demo/systemprompt").encode())
+    assert daemon.read("s/demo/ctxsz") == f"{(system + 3) // 4} / 128000 (0%)\n"
     modes = {n: stat.S_IMODE(os.stat(daemon.p(f"s/demo/{n}")).st_mode) for n in SESSION_FILES}
     assert modes["prompt"] == 0o222 and modes["ctl"] == 0o222
     assert modes["chat"] == 0o444 and modes["cfg"] == 0o666 and modes["tail"] == 0o555

@@ -25,6 +25,7 @@ from olliefs.backend.base import (
     Message,
     ProviderBackend,
     RateLimitError,
+    ResponseSchema,
     StreamEvent,
     Tool,
     ToolCall,
@@ -766,3 +767,69 @@ async def test_every_backend_has_a_default_model() -> None:
     assert all(defaults.values()) and len(set(defaults.values())) == len(defaults)
     for backend in all_backends(transport):
         await backend.aclose()
+
+
+# ---- structured output ------------------------------------------------------------------------
+
+ANSWER = ResponseSchema(
+    "answer",
+    {
+        "type": "object",
+        "properties": {"goal": {"type": "string"}, "steps": {"type": "array", "items": {}}},
+        "required": ["goal", "steps"],
+        "additionalProperties": False,
+    },
+)
+ASKED = GenerationParams(max_tokens=100, temperature=0.2, response_schema=ANSWER)
+
+
+@pytest.mark.parametrize("openrouter", [False, True])
+def test_structured_output_on_the_openai_wire(openrouter: bool) -> None:
+    """Copilot and OpenRouter send the same body."""
+    body = openai_body("gpt-4o", HISTORY, [], ASKED, openrouter=openrouter)
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": ANSWER.schema, "strict": True},
+    }
+    assert "response_format" not in openai_body("gpt-4o", HISTORY, [], GenerationParams())
+
+
+def test_structured_output_on_anthropic_is_a_forced_tool_without_thinking() -> None:
+    params = msgspec.structs.replace(ASKED, thinking_budget=4096)
+    body = anthropic_body("claude-sonnet-4-5", HISTORY, [TOOL], params)
+    assert [t["name"] for t in body["tools"]] == ["ls", "answer"]
+    assert body["tools"][-1]["input_schema"] == ANSWER.schema
+    assert body["tool_choice"] == {"type": "tool", "name": "answer"}
+    assert "thinking" not in body and body["temperature"] == 0.2
+    plain = anthropic_body("claude-sonnet-4-5", HISTORY, [TOOL], GenerationParams())
+    assert "tool_choice" not in plain
+
+
+def test_structured_output_on_ollama_and_gemini() -> None:
+    assert ollama_body("m", HISTORY, [], ASKED)["format"] == ANSWER.schema
+    assert "format" not in ollama_body("m", HISTORY, [], GenerationParams())
+    config = gemini_body(HISTORY, [], ASKED)["generationConfig"]
+    assert config["responseMimeType"] == "application/json"
+    # Gemini's Schema: types in capitals, properties in order, no additionalProperties
+    assert config["responseSchema"] == {
+        "type": "OBJECT",
+        "properties": {"goal": {"type": "STRING"}, "steps": {"type": "ARRAY", "items": {}}},
+        "propertyOrdering": ["goal", "steps"],
+        "required": ["goal", "steps"],
+    }
+    assert "responseSchema" not in gemini_body(HISTORY, [], GenerationParams()).get(
+        "generationConfig", {}
+    )
+
+
+async def test_kiro_has_no_structured_output_and_sends_none() -> None:
+    seen, transport = capture(httpx.Response(200, content=b""))
+    backend = KiroBackend("kiro", "https://kiro.test", "token", transport=transport)
+    try:
+        async with backend.stream("m", HISTORY, [], ASKED) as events:
+            async for _ in events:
+                pass
+    except BadResponseError:
+        pass  # an empty body is no stream; only the request matters here
+    body = json.loads(seen[0].content)
+    assert "answer" not in json.dumps(body) and set(body) == {"conversationState"}

@@ -83,7 +83,7 @@ def test_figures_follow_every_change(ops: list[tuple[str, object]]) -> None:
             h.messages.append(arg)
             model.append(arg)
         assert h.messages == model
-        assert h.estimate() == naive_estimate(model)
+        assert h.estimate() == naive_estimate(naive_for_model(model))  # as sent
         first = h.for_model()
         assert first == naive_for_model(model)
         # a collapsed message is the same object at every request
@@ -113,3 +113,14 @@ def test_a_cut_forgets_the_cold_results_it_removed() -> None:
     h.append(Message("assistant", "ok"))
     assert h.for_model() == h.messages
     assert h.estimate() == naive_estimate(h.messages)
+
+
+def test_the_estimate_is_of_what_is_sent() -> None:
+    """A collapsed cold result counts as its one line, not as the text it replaced."""
+    h = History()
+    h.append(Message("user", "read it"))
+    h.append(Message("assistant", "", tool_calls=(ToolCall("c1", "file_read", "{}"),)))
+    h.append(Message("tool", "x" * 40_000, tool_call_id="c1", name="file_read", tier="cold"))
+    assert h.estimate() > 10_000  # the next request sends it whole
+    h.append(Message("assistant", "done"))
+    assert h.estimate() == naive_estimate(h.for_model()) < 100

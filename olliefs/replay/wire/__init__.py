@@ -109,6 +109,11 @@ class Wire:
         """Characters of every message text (the default prompt token count)."""
         raise NotImplementedError
 
+    def schema(self, body: dict[str, Any]) -> Any:
+        """The structured output the request asks for, in the wire's own form (a JSON
+        Schema object, ``{}`` for "any JSON"), or None: it asks for none."""
+        return None
+
     def stream(self, answer: Answer, body: dict[str, Any]) -> Plan:
         raise NotImplementedError
 

@@ -65,6 +65,17 @@ class AnthropicWire(Wire):
             return text_of(content)
         return ""
 
+    def schema(self, body: dict[str, Any]) -> Any:
+        """A forced tool (``tool_choice`` of type ``tool``) is Anthropic's structured
+        output: its ``input_schema``."""
+        choice, tools = body.get("tool_choice"), body.get("tools")
+        if not isinstance(choice, dict) or choice.get("type") != "tool":
+            return None
+        for tool in tools if isinstance(tools, list) else ():
+            if isinstance(tool, dict) and tool.get("name") == choice.get("name"):
+                return tool.get("input_schema", {})
+        return {}
+
     def prompt_chars(self, body: dict[str, Any]) -> int:
         system = text_of(body.get("system"))
         return len(system) + sum(len(_text(m.get("content"))) for m in _messages(body))

@@ -61,6 +61,15 @@ class GeminiWire(Wire):
                     return text
         return ""
 
+    def schema(self, body: dict[str, Any]) -> Any:
+        config = body.get("generationConfig")
+        if not isinstance(config, dict):
+            return None
+        for key in ("responseSchema", "responseJsonSchema"):
+            if isinstance(config.get(key), dict):
+                return config[key]
+        return {} if config.get("responseMimeType") == "application/json" else None
+
     def prompt_chars(self, body: dict[str, Any]) -> int:
         system = body.get("systemInstruction")
         chars = len(text_of(system.get("parts"))) if isinstance(system, dict) else 0

@@ -49,6 +49,10 @@ class OllamaWire(Wire):
     def prompt_chars(self, body: dict[str, Any]) -> int:
         return sum(len(text_of(m.get("content"))) for m in _messages(body))
 
+    def schema(self, body: dict[str, Any]) -> Any:
+        form = body.get("format")
+        return form if isinstance(form, dict) else {} if form == "json" else None
+
     def _line(self, answer: Answer, message: dict[str, Any], **extra: Any) -> bytes:
         doc = {
             "model": answer.model,

@@ -38,6 +38,13 @@ class OpenAIWire(Wire):
     def prompt_chars(self, body: dict[str, Any]) -> int:
         return sum(len(text_of(m.get("content"))) for m in _messages(body))
 
+    def schema(self, body: dict[str, Any]) -> Any:
+        form = body.get("response_format")
+        if not isinstance(form, dict) or form.get("type") not in ("json_schema", "json_object"):
+            return None
+        spec = form.get("json_schema")
+        return spec.get("schema", {}) if isinstance(spec, dict) else {}
+
     def _calls(self, answer: Answer) -> list[tuple[str, str, str]]:
         return [
             (answer.call_id(i, "call"), call.name, call.arguments)
