@@ -59,8 +59,8 @@ class ProfileHandle(Handle):
         self.refused = refused
         self.checker: ProfileChecker | None = ProfileChecker() if not initial else None
         self.cap = Cap(f"a/{node.name}.json", MAX_PROFILE_BYTES, refused, "not saved")
-        # The reason a write of this handle was refused: then the close saves nothing
-        # and says nothing more (the empty document left behind is not the reason).
+        # The reason a write of this handle was refused: a close that finds no valid
+        # document then fails with it, without telling err again.
         self.failed: str | None = None
 
     async def read(self, off: int, size: int) -> bytes:
@@ -106,16 +106,15 @@ class ProfileHandle(Handle):
     async def flush(self) -> None:
         if self.cap.over:
             raise self.cap.error()
-        if self.failed is not None:
-            # The write already failed with its reason; nothing of the document is
-            # saved, and the close reports nothing more (err keeps that reason).
-            self.dirty = False
-            return
         if not self.dirty:
             return
         self.dirty = False
         verdict = check_complete(bytes(self.buf))
         if verdict.status is not Status.VALID:
+            if self.failed is not None:
+                # A write of this handle was refused, and said why: the close is refused
+                # with that reason, which err keeps (not the "empty document" left).
+                raise InvalidRequest(self.failed)
             self._refuse(f"a/{self.node.name}.json: {verdict.reason or 'incomplete'}")
         try:
             await trio.to_thread.run_sync(self.node.save, bytes(self.buf))
