@@ -51,13 +51,15 @@ MAX_ERROR_BODY = 64 * 1024
 TEMPERATURE = 0.2  # completions should be the likely text, not a creative one
 CURSOR = "<|CURSOR|>"
 
-CHAT_SYSTEM = f"""\
-You are a code completion engine inside an editor. The user sends the text of a file \
-with the marker {CURSOR} where the cursor is. Answer with the text to insert at the \
-cursor, so that the text before the marker, your text and the text after it read as \
-one file. Write only the inserted text, between <insert> and </insert>: no explanation, \
-no Markdown fences, and do not repeat the text around the cursor. If nothing should be \
-inserted, answer <insert></insert>."""
+CHAT_SYSTEM = (
+    "You are a code completion engine inside an editor. The user sends the text of a"
+    " file, between <file> and </file>, with the marker " + CURSOR + " where the cursor"
+    " is. Answer with the text to insert at the cursor, so that the text before the"
+    " marker, your text and the text after it read as one file. Write only the inserted"
+    " text, between <insert> and </insert>: no explanation, no Markdown fences, and do"
+    " not repeat the text around the cursor. If nothing should be inserted, answer"
+    " <insert></insert>."
+)
 
 
 @dataclass(frozen=True)
@@ -187,11 +189,11 @@ def _read(backend: HTTPBackend, response: httpx.Response, decoder: msgspec.json.
 
 
 def chat_messages(request: Request) -> list[Message]:
+    # Between tags, so that no provider trims the ends of the text (whitespace at the
+    # cursor's end of the file is part of it).
     where = f"File: {request.file}\n" if request.file else ""
-    return [
-        Message("system", CHAT_SYSTEM),
-        Message("user", f"{where}{request.prefix}{CURSOR}{request.suffix}"),
-    ]
+    text = f"{request.prefix}{CURSOR}{request.suffix}"
+    return [Message("system", CHAT_SYSTEM), Message("user", f"{where}<file>\n{text}\n</file>")]
 
 
 async def _chat(backend: ProviderBackend, model: str, request: Request) -> str:
@@ -231,7 +233,7 @@ def _fenced(text: str) -> str | None:
                 if inner.lstrip().startswith(m[1]):
                     break
                 body.append(inner)
-            return "\n".join(body)
+            return "\n".join(body).removesuffix("\n")  # an unclosed one: its last line end
     return None
 
 

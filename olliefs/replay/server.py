@@ -95,6 +95,7 @@ class _HTTPServer(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.connections: dict[socket.socket, threading.Thread] = {}
         self.conn_lock = threading.Lock()
+        self.conn_changed = threading.Condition(self.conn_lock)  # a connection came or went
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -115,11 +116,13 @@ class _HTTPServer(ThreadingHTTPServer):
         with self.conn_lock:
             self.connections[request] = t
             self.replay.accepted += 1
+            self.conn_changed.notify_all()
         t.start()
 
     def shutdown_request(self, request: Any) -> None:
         with self.conn_lock:
             self.connections.pop(request, None)
+            self.conn_changed.notify_all()
         super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -345,6 +348,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path in FIM_WIRES:
             wire = FIM_WIRES[path]
             if path == "/completions" and not self.replay.completions:
+                self.replay.not_found.append(self.path)
                 error = f"Invalid URL (POST {self.path})"  # what OpenAI answers
                 return self._fail(wire, 404, error)
         elif match := _GEMINI_CALL.fullmatch(path):
@@ -623,6 +627,7 @@ class ReplayServer:
         self.on_send = on_send
         # False: /v1/completions answers 404, as a server that has only chat completions.
         self.completions = completions
+        self.not_found: list[str] = []  # the paths of those 404s, in order
         self._tokens: dict[str, set[str]] = {"copilot": set(), "kiro": set()}
         self._token_counter = itertools.count(1)
         self._lock = threading.Lock()
@@ -680,6 +685,16 @@ class ReplayServer:
     def recorded(self) -> list[Recorded]:
         """The model requests received so far, with their wire, path and headers."""
         return self.script.recorded
+
+    def wait_connections(self, cond: Callable[[int], bool], timeout: float = 30) -> None:
+        """Wait until ``cond`` holds of the number of TCP connections open (woken as each
+        comes and goes: a client that gave up a request closes its connection)."""
+        httpd = self._httpd
+        if httpd is None:
+            raise RuntimeError("the replay server is not running")
+        with httpd.conn_changed:
+            if not httpd.conn_changed.wait_for(lambda: cond(len(httpd.connections)), timeout):
+                raise AssertionError(f"connections: still {len(httpd.connections)}")
 
     def wait_recorded(
         self, cond: Callable[[list[Recorded]], bool], timeout: float = 30
