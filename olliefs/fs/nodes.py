@@ -32,6 +32,7 @@ import codecs
 import os
 import stat
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -590,7 +591,11 @@ class QueryHandle(Handle):
     """The request is written in any number of writes (each appends, as to a prompt),
     and asked at the first read, which waits for the answer. Reads then return the
     answer from its start, whether the reader seeks back to 0 or goes on where its
-    writes ended (``exec 3<>complete; ... >&3; cat <&3``), as on a control file.
+    writes ended (``exec 3<>complete; ... >&3; cat <&3``), as on a control file. Where
+    they ended is not one number: a ``pwrite`` leaves the file offset where it was, an
+    O_APPEND write puts it at the end of the write as the kernel saw it. So the ends of
+    the last writes are kept, and a first read at one of them starts the answer there;
+    a first read anywhere else reads the answer at its own offset.
 
     ``check`` sees what was written so far at each write until it says there is nothing
     more to check before the read: a bad header fails the write that completes it,
@@ -608,7 +613,8 @@ class QueryHandle(Handle):
         self.cap = Cap(node.name, MAX_TEXT, node.refused, "not asked")
         self.pending: Pending | None = None
         self.answer: bytes | None = None
-        self.base = 0  # file offset at which the answer starts
+        self.ends: deque[int] = deque(maxlen=64)  # where the last writes ended
+        self.base: int | None = None  # file offset at which the answer starts
 
     async def write(self, off: int, data: bytes) -> int:
         if self.pending is not None:
@@ -623,7 +629,7 @@ class QueryHandle(Handle):
             except OllieError:
                 del self.buf[len(self.buf) - len(data) :]
                 raise
-        self.base = off + len(data)
+        self.ends.append(off + len(data))
         return len(data)
 
     def truncate(self, size: int) -> None:
@@ -645,6 +651,8 @@ class QueryHandle(Handle):
             pending = self.pending
             await wait_until(lambda: pending.done, pending.wait, self.how)
             self.answer = pending.result().encode()
+        if self.base is None:
+            self.base = off if off in self.ends else 0
         pos = off - self.base if off >= self.base else off
         return self.answer[pos : pos + size]
 

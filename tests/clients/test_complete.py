@@ -11,6 +11,7 @@ tests/clients/test_ellie.py runs ellie.el itself.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -213,3 +214,34 @@ def test_the_file_without_a_request_reads_empty_and_asks_nothing(
     with open(d.p("complete"), "w") as f:  # written, closed, never read: not asked
         f.write("model=replay\n\nx = ")
     assert server.recorded == []
+
+
+def test_a_handle_carries_one_request_of_at_most_1_mib(
+    keyed: tuple[ReplayServer, Daemon],
+) -> None:
+    server, d = keyed
+    server.add([Entry(reply="1")])
+    fd = os.open(d.p("complete"), os.O_RDWR)
+    try:
+        os.write(fd, b"backend=ollama\nmodel=replay\n\nx = ")
+        assert os.read(fd, 100) == b"1"
+        with pytest.raises(OSError) as refused:
+            os.write(fd, b"y = ")
+        assert refused.value.errno == errno.EBUSY
+        assert "one request per open" in d.read("err")
+    finally:
+        os.close(fd)
+    fd = os.open(d.p("complete"), os.O_RDWR)
+    try:
+        os.write(fd, b"backend=ollama\n\n")
+        with pytest.raises(OSError) as refused:
+            for _ in range(17):  # the write that passes 1 MiB fails
+                os.write(fd, b"x" * (1 << 16))
+        assert refused.value.errno == errno.EFBIG
+        assert "longer than 1 MiB" in d.read("err")
+        with pytest.raises(OSError) as refused:
+            os.read(fd, 100)
+        assert refused.value.errno == errno.EFBIG  # nothing of it is asked
+    finally:
+        os.close(fd)
+    assert len(server.recorded) == 1
