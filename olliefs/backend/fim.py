@@ -25,11 +25,13 @@ Ollama renders its template's fill-in-the-middle form only when ``suffix`` is no
 (else the prompt becomes a chat message, and the model answers it as one): an empty
 suffix is sent as a newline, which changes nothing of what comes before the cursor.
 
-The answer. A native completion is the inserted text as it is. A chat model's answer is
-read with ``insertion``: what it put between ``<insert>`` and ``</insert>`` (it is asked
-to), else the first fenced code block, else the whole answer; a ``<think>`` block is
-dropped; so are the part of the cursor's line it repeats at the start and the lines of
-the suffix it repeats at the end.
+The answer. A native completion is the inserted text as it is, but for a leading
+``<think>`` block and the whole lines of the suffix it repeats at its end (a server that
+ignores ``suffix`` writes them out again). A chat model's answer is read with
+``insertion``: what it put between ``<insert>`` and ``</insert>`` (it is asked to), else
+the first fenced code block, else the whole answer; a ``<think>`` block is dropped; so
+are the part of the cursor's line it repeats at the start and the lines of the suffix
+it repeats at the end.
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ async def complete(
     how = kind(backend)
     if how != "chat" and (backend.name, model) not in chat_only:
         native = await (_ollama if how == "ollama" else _openai)(backend, model, request)
-        if native is not None:
-            return strip_think(native)
+        if native is not None:  # a server may ignore the suffix and write it out again
+            return _without_suffix(strip_think(native), request.suffix)
         chat_only.add((backend.name, model))
     return await _chat(backend, model, request)
 

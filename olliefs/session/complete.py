@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from olliefs.caller import Caller
-from olliefs.errors import InvalidRequest, OllieError
+from olliefs.errors import Interrupted, InvalidRequest, OllieError
 
 if TYPE_CHECKING:  # the backends are imported at the first completion, not at mount
     from olliefs.backend.base import ProviderBackend
@@ -260,21 +260,23 @@ class Completer:
         from olliefs.backend.base import BackendError
 
         where = f"{backend.name} (model {model})"
-        answer = ""
+        answer: str | None = None
         error: OllieError | None = None
-        with asked.scope:
-            try:
-                with trio.fail_after(timeout):
-                    answer = await fim.complete(backend, model, request, self._chat_only)
-            except trio.TooSlowError:
-                error = TimedOut(f"complete: no answer from {where} within {timeout:g} s")
-            except BackendError as err:
-                error = ProviderFailed(f"complete: {err}")
-            except Exception:  # a bug here must not end the daemon's nursery
-                log.exception("completion by %s failed", where)
-                error = ProviderFailed(f"complete: {where}: internal error (see the log)")
-        if asked.scope.cancelled_caught:
-            error = error or OllieError("complete: cancelled")
-        elif error is not None:
-            self._refused(str(error))
-        asked.finish(answer, error)
+        try:
+            with asked.scope:
+                try:
+                    with trio.fail_after(timeout):
+                        answer = await fim.complete(backend, model, request, self._chat_only)
+                except trio.TooSlowError:
+                    error = TimedOut(f"complete: no answer from {where} within {timeout:g} s")
+                except BackendError as err:
+                    error = ProviderFailed(f"complete: {err}")
+                except Exception:  # a bug here must not end the daemon's nursery
+                    log.exception("completion by %s failed", where)
+                    error = ProviderFailed(f"complete: {where}: internal error (see the log)")
+            if error is not None and not asked.scope.cancelled_caught:
+                self._refused(str(error))
+        finally:  # also when the daemon stops: no reader waits for ever
+            if answer is None and error is None:  # closed by its reader, or shutdown
+                error = Interrupted("complete: cancelled")
+            asked.finish(answer or "", error)
