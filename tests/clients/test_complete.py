@@ -117,6 +117,14 @@ def test_an_ollama_model_without_insert_gets_a_chat_request(
     assert [r.path for r in server.recorded] == ["/api/generate", "/api/chat"]
 
 
+def test_a_server_that_ignores_the_suffix_does_not_get_it_inserted_twice(
+    keyed: tuple[ReplayServer, Daemon],
+) -> None:
+    server, d = keyed
+    server.add([Entry(reply="return a + b\n\nprint(add(1, 2))")])
+    assert ellie(d, "openai").stdout == b"return a + b"
+
+
 def test_an_empty_suffix_still_asks_for_fill_in_the_middle(
     keyed: tuple[ReplayServer, Daemon],
 ) -> None:

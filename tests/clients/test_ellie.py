@@ -165,12 +165,14 @@ def test_ellie_shows_the_completion_as_ghost_text(
     keyed: tuple[ReplayServer, Daemon], ellie_el: Path, tmp_path: Path, backend: str
 ) -> None:
     server, d = keyed
-    # A chat model says more than the insertion; ellie must get only the insertion.
-    chatty = "Sure:\n```python\n    return a + b\n```\nThis returns the sum."
-    server.add([Entry(reply="return a + b" if backend in NATIVE else chatty)])
+    # Two lines (the line end must reach the buffer as it is, through Emacs' pty); a
+    # chat model says more than the insertion, and ellie must get only the insertion.
+    insert = "a = a or 0\n    return a + b"
+    chatty = f"Sure:\n```python\n    {insert}\n```\nThis returns the sum."
+    server.add([Entry(reply=insert if backend in NATIVE else chatty)])
     text, said = run_ellie(d, ellie_el, tmp_path, backend)
-    assert 'ellie-test: ghost="return a + b"' in said, said
-    assert text == PREFIX + "return a + b" + SUFFIX
+    assert 'ellie-test: ghost="a = a or 0\n    return a + b"' in said, said
+    assert text == PREFIX + insert + SUFFIX
     [request] = server.recorded
     assert request.path.split("?")[0] == PATHS[backend]
     assert d.read("err") == ""
