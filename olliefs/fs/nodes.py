@@ -14,6 +14,8 @@ Kinds:
                (``s/new`` reads back the id it created, the Plan 9 clone-file way);
 * ``PromptIn`` text collected per handle, submitted at flush (close); at most ``limit``
                bytes (``Cap``: past it, nothing of the text is taken);
+* ``Query``    a request written in pieces and asked at the first read, which waits for
+               the answer and returns it on the same handle (``complete``);
 * ``LogFile``  a ``GrowingLog``: ``chat`` (EOF at the end) or, blocking, ``stream`` and
                ``events`` (a read at the end waits for more);
 * ``StateWait`` one value per open: blocks until the state differs from the one at open.
@@ -30,6 +32,7 @@ import codecs
 import os
 import stat
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +40,12 @@ from typing import Literal, Protocol
 
 from olliefs.caller import Caller
 from olliefs.errors import (
+    Busy,
     Denied,
     InvalidRequest,
     NotFound,
     NotPermitted,
+    OllieError,
     TooLarge,
     TooMany,
     WouldBlock,
@@ -561,6 +566,119 @@ class PromptIn(File):
 
     def open(self, how: Open) -> Handle:
         return PromptHandle(self.submit, self.refused, self.limit, Caller(how.pid))
+
+
+# ---- a question and its answer on one handle -----------------------------------------
+
+
+class Pending(Protocol):
+    """A request on its way (``Query``): done once its answer or its error is in."""
+
+    done: bool
+
+    async def wait(self) -> None:
+        """Return once ``done`` (may return early: the caller checks again)."""
+        ...
+
+    def result(self) -> str:
+        """The answer; raises the ``OllieError`` the request ended with."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class QueryHandle(Handle):
+    """The request is written in any number of writes (each appends, as to a prompt),
+    and asked at the first read, which waits for the answer. Reads then return the
+    answer from its start, whether the reader seeks back to 0 or goes on where its
+    writes ended (``exec 3<>complete; ... >&3; cat <&3``), as on a control file. Where
+    they ended is not one number: a ``pwrite`` leaves the file offset where it was, an
+    O_APPEND write puts it at the end of the write as the kernel saw it. So the ends of
+    the last writes are kept, and a first read at one of them starts the answer there;
+    a first read anywhere else reads the answer at its own offset.
+
+    ``check`` sees what was written so far at each write until it says there is nothing
+    more to check before the read: a bad header fails the write that completes it,
+    where a shell sees it. A write after the read is refused (EBUSY: one request per
+    open). Closing the handle cancels a request still on its way, so a reader that died
+    of its Ctrl-C costs nothing more. A read before any write is EOF, and asks nothing
+    (``cat``, ``cp -r`` of the tree)."""
+
+    def __init__(self, node: Query, how: Open) -> None:
+        self.node = node
+        self.how = how
+        self.caller = Caller(how.pid)
+        self.buf = bytearray()
+        self.checked = False
+        self.cap = Cap(node.name, MAX_TEXT, node.refused, "not asked")
+        self.pending: Pending | None = None
+        self.answer: bytes | None = None
+        self.ends: deque[int] = deque(maxlen=64)  # where the last writes ended
+        self.base: int | None = None  # file offset at which the answer starts
+
+    async def write(self, off: int, data: bytes) -> int:
+        if self.pending is not None:
+            reason = f"{self.node.name}: one request per open, and this one was asked"
+            self.node.refused(reason)
+            raise Busy(reason)
+        self.cap.check(len(self.buf) + len(data))
+        self.buf += data
+        if not self.checked:
+            try:
+                self.checked = self.node.check(bytes(self.buf))
+            except OllieError:
+                del self.buf[len(self.buf) - len(data) :]
+                raise
+        self.ends.append(off + len(data))
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        if self.pending is None:
+            del self.buf[size:]
+            self.checked = False
+            if size == 0:
+                self.cap.reset()
+
+    async def read(self, off: int, size: int) -> bytes:
+        if self.answer is None:
+            if self.pending is None:
+                if not self.buf or self.how.walker:
+                    return b""
+                if self.cap.over:
+                    raise self.cap.error()
+                self.pending = self.node.ask(bytes(self.buf), self.caller)
+                self.buf = bytearray()
+            pending = self.pending
+            await wait_until(lambda: pending.done, pending.wait, self.how)
+            self.answer = pending.result().encode()
+        if self.base is None:
+            self.base = off if off in self.ends else 0
+        pos = off - self.base if off >= self.base else off
+        return self.answer[pos : pos + size]
+
+    def release(self) -> None:
+        if self.pending is not None and not self.pending.done:
+            self.pending.cancel()
+
+
+@dataclass(eq=False)
+class Query(File):
+    """A file that answers what is written to it on the same handle (``complete``)."""
+
+    key: Hashable
+    check: Callable[[bytes], bool]
+    ask: Callable[[bytes, Caller], Pending]
+    refused: Callable[[str], None]
+    perm: int = 0o666
+    attr_ttl = CACHED_TTL  # stats as empty, always
+
+    @property
+    def name(self) -> str:
+        key = self.key
+        return "/".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+    def open(self, how: Open) -> Handle:
+        return QueryHandle(self, how)
 
 
 # ---- a file written whole ------------------------------------------------------------

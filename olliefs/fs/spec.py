@@ -27,6 +27,7 @@ from olliefs.fs.nodes import (
     LogFile,
     Node,
     PromptIn,
+    Query,
     Script,
     Stamp,
     StateWait,
@@ -427,6 +428,7 @@ def root(reg: Registry) -> Dir:
         lambda: {
             "backends": text("backends", reg.backends_text),
             "help": text("help", lambda: HELP + help_text() + HELP_END),
+            "complete": Query(("complete",), reg.completer.check, reg.completer.ask, reg.refused),
             "err": text("err", lambda: reg.last_error + ("\n" if reg.last_error else "")),
             "events": LogFile(("events",), reg.events, blocking=True),
             "s": sessions,

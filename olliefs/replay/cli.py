@@ -47,6 +47,11 @@ def run_cli(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--env", action="store_true", help="print the OLLIE_* settings for every backend"
     )
+    parser.add_argument(
+        "--no-completions",
+        action="store_true",
+        help="answer /v1/completions with 404, as a server that has only chat completions",
+    )
     args = parser.parse_args(argv)
     stop = threading.Event()
 
@@ -61,6 +66,7 @@ def run_cli(argv: list[str] | None = None) -> int:
             models=args.model or ("replay",),
             key=args.key,
             then=args.then,
+            completions=not args.no_completions,
         ).start()
     except (OSError, ValueError) as e:
         print(f"ollie replay-server: {e}", file=sys.stderr)

@@ -9,6 +9,10 @@ gives the ``OLLIE_<NAME>_URL`` values)::
     POST /v1/messages                       Anthropic
     POST /api/chat, GET /api/tags,
     POST /api/show                          Ollama
+    POST /api/generate                      Ollama's fill in the middle (``suffix``)
+    POST /v1/completions                    OpenAI's text completions (``suffix``); 404
+                                            with ``completions=False``, as a server
+                                            without them
     POST /v1beta/models/<m>:streamGenerateContent?alt=sse, GET /v1beta/models   Gemini
     GET  /copilot_internal/v2/token         Copilot's token exchange
     POST /generateAssistantResponse, GET /ListAvailableModels,
@@ -49,6 +53,7 @@ from olliefs.replay.script import Entry, Recorded, Script, parse_script
 from olliefs.replay.wire import Answer, Wire, dumps
 from olliefs.replay.wire import copilot as copilot_wire
 from olliefs.replay.wire.anthropic import AnthropicWire
+from olliefs.replay.wire.fim import CompletionsWire, GenerateWire
 from olliefs.replay.wire.gemini import GeminiWire
 from olliefs.replay.wire.kiro import KiroWire
 from olliefs.replay.wire.ollama import OllamaWire
@@ -59,6 +64,8 @@ log = logging.getLogger(__name__)
 WIRES: dict[str, Wire] = {
     w.name: w for w in (OpenAIWire(), AnthropicWire(), OllamaWire(), GeminiWire(), KiroWire())
 }
+# Fill in the middle: recorded under their provider's wire name (Recorded.path tells them).
+FIM_WIRES: dict[str, Wire] = {"/api/generate": GenerateWire(), "/completions": CompletionsWire()}
 _GEMINI_CALL = re.compile(r"/v1[a-z0-9]*/models/([^/:]+):(streamGenerateContent|generateContent)")
 
 
@@ -88,6 +95,7 @@ class _HTTPServer(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.connections: dict[socket.socket, threading.Thread] = {}
         self.conn_lock = threading.Lock()
+        self.conn_changed = threading.Condition(self.conn_lock)  # a connection came or went
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -108,11 +116,13 @@ class _HTTPServer(ThreadingHTTPServer):
         with self.conn_lock:
             self.connections[request] = t
             self.replay.accepted += 1
+            self.conn_changed.notify_all()
         t.start()
 
     def shutdown_request(self, request: Any) -> None:
         with self.conn_lock:
             self.connections.pop(request, None)
+            self.conn_changed.notify_all()
         super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -335,6 +345,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._ollama_show(raw)
         elif path == "/generateAssistantResponse":
             wire = WIRES["kiro"]
+        elif path in FIM_WIRES:
+            wire = FIM_WIRES[path]
+            if path == "/completions" and not self.replay.completions:
+                self.replay.not_found.append(self.path)
+                error = f"Invalid URL (POST {self.path})"  # what OpenAI answers
+                return self._fail(wire, 404, error)
         elif match := _GEMINI_CALL.fullmatch(path):
             wire, path_model = WIRES["gemini"], match[1]
             if match[2] != "streamGenerateContent" or self._query().get("alt") != ["sse"]:
@@ -349,6 +365,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._fail(wire, 400, f"request body is not JSON: {e}")
         if not isinstance(request, dict):
             return self._fail(wire, 400, "request body must be a JSON object")
+        if path in FIM_WIRES and (
+            not isinstance(request.get("prompt", ""), str)
+            or not isinstance(request.get("suffix", ""), str)
+        ):
+            return self._fail(wire, 400, "prompt and suffix must be strings")
         headers = {k.lower(): v for k, v in self.headers.items()}
         model = wire.model(request, path_model) or self.replay.models[0]
         recorded = Recorded(wire.name, self.path, headers, request, model, wire.schema(request))
@@ -570,6 +591,7 @@ class ReplayServer:
     """The replay server, served from background threads (no event loop involved).
 
     ``script`` is a list of entries, script text (``str``) or a script file (``Path``).
+    ``completions=False`` makes ``/v1/completions`` answer 404 (a server without it).
     Use as ``with ReplayServer(script) as srv: ... srv.url ...`` or ``start()``/``stop()``.
     ``on_send(text, time.monotonic())`` is called right after each content delta has been
     written to the socket, so benchmarks can measure token latency end to end.
@@ -586,6 +608,7 @@ class ReplayServer:
         key: str | None = None,
         then: str = "echo",
         on_send: Callable[[str, float], None] | None = None,
+        completions: bool = True,
     ) -> None:
         if not models:
             raise ValueError("at least one model name is needed")
@@ -602,6 +625,9 @@ class ReplayServer:
         self.context_length = context_length
         self.key = key
         self.on_send = on_send
+        # False: /v1/completions answers 404, as a server that has only chat completions.
+        self.completions = completions
+        self.not_found: list[str] = []  # the paths of those 404s, in order
         self._tokens: dict[str, set[str]] = {"copilot": set(), "kiro": set()}
         self._token_counter = itertools.count(1)
         self._lock = threading.Lock()
@@ -659,6 +685,16 @@ class ReplayServer:
     def recorded(self) -> list[Recorded]:
         """The model requests received so far, with their wire, path and headers."""
         return self.script.recorded
+
+    def wait_connections(self, cond: Callable[[int], bool], timeout: float = 30) -> None:
+        """Wait until ``cond`` holds of the number of TCP connections open (woken as each
+        comes and goes: a client that gave up a request closes its connection)."""
+        httpd = self._httpd
+        if httpd is None:
+            raise RuntimeError("the replay server is not running")
+        with httpd.conn_changed:
+            if not httpd.conn_changed.wait_for(lambda: cond(len(httpd.connections)), timeout):
+                raise AssertionError(f"connections: still {len(httpd.connections)}")
 
     def wait_recorded(
         self, cond: Callable[[list[Recorded]], bool], timeout: float = 30

@@ -39,6 +39,7 @@ from olliefs.errors import (
 from olliefs.live import GrowingLog
 from olliefs.session import persist
 from olliefs.session.commands import split_request
+from olliefs.session.complete import Completer
 from olliefs.session.session import Session, journal_path
 from olliefs.settings import Paths, agent_names, shipped_dir
 from olliefs.toolclient.client import ToolsrvError
@@ -106,6 +107,8 @@ class Registry:
         self._pool: pool.Pool | None = None  # made at its first use (see ``pool``)
         self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
+        # The root ``complete`` file: code completion on the same backends.
+        self.completer = Completer(lambda: self.pool, self.settings, nursery, self.refused)
         self.toolsrv = Toolsrv(paths, self.settings, nursery)
         # What toolsrv serves (t/idx, tool metadata, tool_load names), read over the
         # daemon's own attach, so a remote toolsrv is listed as it really is.

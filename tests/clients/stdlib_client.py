@@ -39,6 +39,7 @@ from types import FrameType
 MARK = "MARK-END"
 ANSWER = {"goal": "count", "state": "counted to three", "decisions": ["use ints"], "next": "stop"}
 SCRIPT: list[dict[str, object]] = [
+    {"reply": "return 1", "for_model": "fim"},  # complete (only its model takes it)
     {"reply": "hello reply"},  # R1: the first prompt
     {"reply": "slow " * 15 + MARK, "chunk": 3, "delay": 0.002},  # R2: concurrent readers
     {"reply": "hung reply", "chunk": 4, "hang": True, "hang_after": 1},  # R3: stopped
@@ -53,7 +54,7 @@ SCRIPT: list[dict[str, object]] = [
 # Every kind of file ollie(5) lists, as the final walk names them (session ids, branch
 # and compaction numbers and transcript stamps replaced): the walk must find each.
 EXPECTED = {
-    "a/default.json", "a/coding.json", "backends", "err", "events", "help",
+    "a/default.json", "a/coding.json", "backends", "complete", "err", "events", "help",
     "p/*", "s/idx", "s/new", "sk/idx", "t/idx", "t/*", "u/complete",
     "tr/*.md", "tr/*.jsonl", "m/*", "tmp/*", "tmp/*/*", "sk/*.md", "a/*.json",
     *(
@@ -281,6 +282,17 @@ def root_files(c: Client) -> None:
     c.refused("s/new", "cwd", errno.EINVAL, "s/new: expected key=value, got 'cwd'\n", "err")
     check(c.read("err").count("s/new:") == 1, f"err names s/new twice: {c.read('err')!r}")
     c.refused("s/new", f'cwd="{c.work}" name=new', errno.EINVAL, "new", "err")
+    # complete: the request written on one handle, the text to insert read back from it.
+    c.mark("complete")
+    with deadline(20, "complete"):
+        fd = os.open(c.p("complete"), os.O_RDWR)
+        try:
+            os.write(fd, b"model=fim\nsuffix=1\n\ndef f():\n    \n")
+            got = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+    check(got == b"return 1", f"complete: {got!r}")
+    c.refused("complete", "colour=red\n\n", errno.EINVAL, "unknown key 'colour'", "err")
 
 
 def first_turn(c: Client, sid: str) -> None:

@@ -80,7 +80,10 @@ ERRNOS: dict[str, set[int]] = {
     "m/NAME": {errno.EFBIG, errno.ENOSPC},
     "tmp/PATH": {errno.EFBIG, errno.ENOSPC},
     "t/TOOL": {errno.EFBIG, errno.ENOSPC},
+    "complete": {errno.EINVAL, errno.EBUSY, errno.EFBIG},
 }
+# What a read of complete may fail with (its entry in ollie(5)).
+COMPLETE_READ = {errno.EINVAL, errno.EFBIG, errno.ETIMEDOUT, errno.EREMOTEIO}
 
 
 # ---- the module's mount --------------------------------------------------------------
@@ -604,6 +607,73 @@ def test_fuzz_plan(fresh: Fuzzed, how: str, ops: list[tuple[str, bytes, int]]) -
     assert rd(d, f"s/{sid}/plan") == (text if changed else old.decode())
 
 
+# ---- complete: a request written in pieces, asked at the first read ------------------
+
+HEADS = [b"", b"\n", b"model=replay\n\n", b"suffix=3\nfile=m.py\nbackend=openai\n\n"]
+complete_piece = st.one_of(
+    st.sampled_from(
+        [b"model=replay\n", b"backend=", b"openai\n", b"file=m.py\n", b"suffix=3\n", b"\n"]
+    ),
+    st.sampled_from([b"timeout=30\n", b"max_tokens=16\n", b"\n\n", b"x = 1\n", b"\xc3\xa9"]),
+    chunk,
+)
+complete_op = st.one_of(
+    st.tuples(st.just("write"), complete_piece, st.just(0)),
+    st.tuples(st.just("pwrite"), complete_piece, st.integers(0, 3000)),
+    st.tuples(st.just("ftruncate"), st.just(b""), st.integers(0, 300)),
+)
+
+
+@FUZZ
+@given(
+    how=st.sampled_from(["rw", "rw+trunc", "rw+append"]),
+    head=st.sampled_from(HEADS),
+    ops=st.lists(complete_op, max_size=8),
+)
+def test_fuzz_complete(
+    fresh: Fuzzed, how: str, head: bytes, ops: list[tuple[str, bytes, int]]
+) -> None:
+    """Any writes, then a read: a refused write is a listed errno with its reason and
+    changes nothing; every accepted byte (each write appends, ftruncate cuts) reaches
+    the model exactly, the suffix's bytes last; the answer is what the model said."""
+    d = fresh.d
+    sent = b""
+    asked = len(d.replay.recorded)
+    fd = opened(d, "complete", OPENS[how])
+    try:
+        for kind, data, off in [("write", head, 0), *ops]:
+            before = tree_view(d)
+            err = call(fd, kind, data, off)
+            if err:
+                fresh.count(f"complete refused {errno.errorcode.get(err)}")
+                assert_refused_at_root(
+                    d, before, f"complete {kind} {data!r}", err, ERRNOS["complete"]
+                )
+            elif kind == "ftruncate":
+                sent = sent[:off]
+            else:
+                sent += data
+        try:
+            with deadline(60):
+                answer = os.read(fd, 1 << 20)
+        except OSError as e:
+            fresh.count(f"complete read {errno.errorcode.get(e.errno or 0)}")
+            assert e.errno in COMPLETE_READ, f"complete read: {e}"
+            assert rd(d, "err").startswith("complete: "), "a failed read without its reason"
+            return
+    finally:
+        assert close(fd) == 0
+    if not sent:
+        assert answer == b"" and len(d.replay.recorded) == asked, "asked with nothing written"
+        return
+    fresh.count("complete answered")
+    [request] = d.replay.recorded[asked:]
+    body = sent.split(b"\n\n", 1)[1] if not sent.startswith(b"\n") else sent[1:]
+    got = request.body
+    assert (got["prompt"] + got.get("suffix", "")).encode() == body, "not the bytes written"
+    assert answer == f"echo: {got['prompt']}".encode()
+
+
 # ---- the folders on disk -------------------------------------------------------------
 
 NAMES = {"m": "m/NAME", "tmp": "tmp/PATH", "t": "t/TOOL"}
@@ -813,6 +883,7 @@ FUZZERS: dict[str, str] = {
     "m/NAME": "test_fuzz_disk_file",
     "tmp/PATH": "test_fuzz_disk_file",
     "t/TOOL": "test_fuzz_disk_file",
+    "complete": "test_fuzz_complete",
     # Folders: creating names in them is fuzzed by test_fuzz_create_names.
     **{
         f: "test_fuzz_create_names"

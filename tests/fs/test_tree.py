@@ -48,6 +48,7 @@ def test_root(daemon: Daemon) -> None:
     root = [
         "a",
         "backends",
+        "complete",
         "err",
         "events",
         "help",
