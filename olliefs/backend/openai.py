@@ -399,21 +399,47 @@ def in_stream_error(
 
 
 def wire_message(message: Message) -> dict[str, Any]:
+    """One message in the API's shape, and only with the fields the API defines for its
+    role: strict OpenAI-compatible gateways refuse anything else with a 400."""
     wire: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         wire["content"] = message.content or None
         wire["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json_arguments(c.arguments)},
+            }
             for c in message.tool_calls
         ]
     if message.tool_call_id:
         wire["tool_call_id"] = message.tool_call_id
-    if message.name:
+    # A tool message is role, content and tool_call_id: the API has no ``name`` there
+    # (the history keeps it for the wires that do, Ollama's and Gemini's).
+    if message.name and message.role != "tool":
         wire["name"] = message.name
     own = message.provider_data.get(WIRE)
     if isinstance(own, dict) and isinstance(details := own.get("reasoning_details"), list):
         wire["reasoning_details"] = details
     return wire
+
+
+_ARGUMENTS = msgspec.json.Decoder(dict[str, Any])
+
+
+def json_arguments(arguments: str) -> str:
+    """A call's arguments as the request must carry them: the JSON text of an object.
+
+    A model may stream arguments that are cut off or not JSON at all; the call is then
+    answered with a tool error saying so (``agent/dispatch.py``), but the call itself
+    goes back with ``{}``: vLLM, llama.cpp and Ollama parse the arguments of the calls
+    in the history, and refuse the whole request (400 or 500) when one does not parse.
+    """
+    try:
+        _ARGUMENTS.decode(arguments)
+    except msgspec.DecodeError:
+        return "{}"
+    return arguments
 
 
 def function_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:

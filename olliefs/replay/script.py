@@ -261,6 +261,12 @@ class Script:
                 raise AssertionError(f"the requests never came: {len(self._recorded)} so far")
             return list(self._recorded)
 
+    def record(self, recorded: Recorded) -> None:
+        """Record a request that takes no entry (one the server refused as it came)."""
+        with self._lock:
+            self._recorded.append(recorded)
+            self._recorded_more.notify_all()
+
     def take(self, recorded: Recorded, user_text: str, model: str = "") -> tuple[int, Entry]:
         """Record a request and pick its answer: the next entry for ``model`` (one without
         ``for_model`` fits any), or the fallback."""

@@ -352,6 +352,9 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {k.lower(): v for k, v in self.headers.items()}
         model = wire.model(request, path_model) or self.replay.models[0]
         recorded = Recorded(wire.name, self.path, headers, request, model)
+        if (why := wire.refusal(request)) is not None:
+            self.replay.script.record(recorded)
+            return self._fail(wire, 400, why)
         n, entry = self.replay.script.take(recorded, wire.user_text(request), model)
         answer = Answer(n, entry, model, wire.prompt_chars(request))
         self._faults = entry

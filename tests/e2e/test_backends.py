@@ -60,6 +60,7 @@ def tool_result_of(name: str, request: Recorded) -> tuple[str, str]:
     body: dict[str, Any] = request.body
     if name in ("openai", "copilot"):
         [msg] = [m for m in body["messages"] if m["role"] == "tool"]
+        assert set(msg) == {"role", "content", "tool_call_id"}  # what the API defines
         return msg["tool_call_id"], msg["content"]
     if name == "anthropic":
         blocks = [b for m in body["messages"] for b in m["content"] if isinstance(b, dict)]

@@ -461,7 +461,7 @@ async def test_request_body_shape() -> None:
                     {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
                 ],
             },
-            {"role": "tool", "content": "a.txt", "tool_call_id": "c1", "name": "ls"},
+            {"role": "tool", "content": "a.txt", "tool_call_id": "c1"},
             {"role": "assistant", "content": "done"},
         ],
         "tools": [
@@ -475,6 +475,23 @@ async def test_request_body_shape() -> None:
             }
         ],
     }
+
+
+async def test_malformed_arguments_go_back_as_an_empty_object() -> None:
+    """A call whose arguments came cut off or not as JSON is answered with a tool error;
+    the call itself goes back with ``{}``, since servers that parse the history's
+    arguments (vLLM, llama.cpp, Ollama) refuse the whole request otherwise."""
+    calls = (
+        ToolCall("c1", "ls", '{"path": "sr'),
+        ToolCall("c2", "ls", "not json"),
+        ToolCall("c3", "ls", "[1, 2]"),
+        ToolCall("c4", "ls", '{"path": "."}'),
+    )
+    history = [Message("user", "go"), Message("assistant", "", tool_calls=calls)]
+    request = await request_of(history)
+    [assistant] = [m for m in json.loads(request.content)["messages"] if m["role"] == "assistant"]
+    sent = [c["function"]["arguments"] for c in assistant["tool_calls"]]
+    assert sent == ["{}", "{}", "{}", '{"path": "."}']
 
 
 async def test_no_tools_and_no_params_are_not_sent() -> None:

@@ -109,6 +109,11 @@ class Wire:
         """Characters of every message text (the default prompt token count)."""
         raise NotImplementedError
 
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        """Why a strict server of this API refuses the request (answered 400, and no
+        script entry taken), or None."""
+        return None
+
     def stream(self, answer: Answer, body: dict[str, Any]) -> Plan:
         raise NotImplementedError
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from olliefs.replay.script import Entry
 from olliefs.replay.wire import Answer, Frame, Plan, Wire, dumps, error_message, text_of
 
@@ -27,6 +29,10 @@ def event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
+# The fields of a tool message in the API; strict gateways refuse any other.
+TOOL_MESSAGE_FIELDS = ("role", "content", "tool_call_id")
+
+
 class OpenAIWire(Wire):
     name = "openai"
     id_prefix = "call"
@@ -37,6 +43,34 @@ class OpenAIWire(Wire):
 
     def prompt_chars(self, body: dict[str, Any]) -> int:
         return sum(len(text_of(m.get("content"))) for m in _messages(body))
+
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        """What strict OpenAI-compatible servers refuse: a field a tool message does not
+        have (gateways that validate against the API's schema), and the arguments of a
+        call in the history that are not the JSON text of an object (vLLM, llama.cpp and
+        Ollama parse them for the chat template)."""
+        for i, message in enumerate(_messages(body)):
+            if message.get("role") == "tool":
+                extra = [k for k in message if k not in TOOL_MESSAGE_FIELDS]
+                if extra:
+                    return (
+                        f"messages[{i}].{extra[0]}: Extra inputs are not permitted (a tool "
+                        f"message has {', '.join(TOOL_MESSAGE_FIELDS)})"
+                    )
+            calls = message.get("tool_calls")
+            for j, call in enumerate(calls if isinstance(calls, list) else ()):
+                function = call.get("function") if isinstance(call, dict) else None
+                args = function.get("arguments") if isinstance(function, dict) else None
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                if not isinstance(args, str):
+                    return f"{where}: must be a string"
+                try:
+                    value = msgspec.json.decode(args)
+                except msgspec.DecodeError as err:
+                    return f"{where}: not valid JSON ({err})"
+                if not isinstance(value, dict):
+                    return f"{where}: must be a JSON object"
+        return None
 
     def _calls(self, answer: Answer) -> list[tuple[str, str, str]]:
         return [
