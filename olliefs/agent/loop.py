@@ -249,6 +249,10 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                 host.add_message(Message("assistant", "".join(text), "".join(reasoning)))
             raise
         except BackendError as err:
+            if usage is not None:
+                # The provider reported usage before it failed (OpenRouter sends it with
+                # an error inside a 200 stream): those tokens were billed, so they count.
+                _account_usage(host, usage)
             if attempt == 0:
                 await _turn_error(host, err, attempt)
             delay = host.retry.delay(err, attempt)
@@ -312,6 +316,10 @@ def _account(host: TurnHost, reply: Message, usage: Usage | None) -> None:
             input_tokens=host.history.estimate(),
             output_tokens=estimate_tokens(reply.content + reply.reasoning),
         )
+    _account_usage(host, usage, estimated)
+
+
+def _account_usage(host: TurnHost, usage: Usage, estimated: bool = False) -> None:
     cost = request_cost(host.model, usage, host.backend().name)
     host.add_usage(usage, cost, estimated)
     host.emit("usage", msgspec.json.encode(usage).decode())

@@ -11,7 +11,9 @@ becomes a typed error rather than a silently shorter reply. The drift this reads
 * tool calls by ``index`` with ids and names that may come late, calls without an index
   (Gemini's compatibility endpoint sends each whole), the legacy ``function_call``;
 * usage in the last chunk (``choices: []``), OpenRouter's ``usage.cost`` in USD;
-* errors as an ``error`` object inside a 200 stream (OpenRouter) or as a 200 JSON body.
+* errors as an ``error`` object inside a 200 stream (OpenRouter) or as a 200 JSON body;
+  usage that came with such an error (or before it) is reported before the error is
+  raised, since the failed request was billed.
 
 Requests to reasoning models (o1, o3, o4, gpt-5) use ``max_completion_tokens`` and leave
 out the sampling parameters those models refuse; ``thinking_budget`` becomes a
@@ -290,6 +292,12 @@ class OpenAIParser:
 
     def _chunk(self, chunk: _Chunk, data: bytes, out: list[StreamEvent]) -> None:
         if chunk.error is not None:
+            # OpenRouter bills a request that failed mid-stream and says so: the usage
+            # comes with the error (or before it), and is counted like any other.
+            if chunk.usage is not None:
+                self._usage = _usage(chunk.usage)
+            if self._usage is not None:
+                out.append(StreamEvent("usage", usage=self._usage))
             raise in_stream_error(chunk.error, data, self._provider, self._secrets)
         if chunk.id:
             self._response_id = chunk.id

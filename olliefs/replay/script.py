@@ -59,7 +59,8 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
     "context_length_exceeded"``. Defaults follow each provider's own choice for the status.
 ``in_stream``
     With ``status``: answer 200, stream the deltas (up to ``drop_after``), then report the
-    error inside the stream the way the wire does (OpenAI/OpenRouter an ``error`` chunk,
+    error inside the stream the way the wire does (OpenAI/OpenRouter an ``error`` chunk
+    beside a choice finished with ``"error"``, with the entry's ``usage`` when it has one,
     Anthropic an ``error`` event, Gemini an ``error`` object, Ollama an ``error`` line, Kiro
     an exception frame), and end the body without the wire's terminator.
 ``body``

@@ -187,3 +187,34 @@ def test_no_key_reaches_a_tool(keyed: tuple[ReplayServer, Daemon]) -> None:
     _, output = tool_result_of("anthropic", server.recorded[-1])
     assert "OLLIE_SESSION_ID=" in output  # the tool did print its environment
     assert KEY not in output and "_KEY=" not in output
+
+
+def test_usage_reported_with_an_error_in_the_stream_is_counted(
+    keyed: tuple[ReplayServer, Daemon],
+) -> None:
+    """OpenRouter reports the usage (and cost) of a request that failed inside its 200
+    stream: those tokens were billed, so ``usage`` and ``cost`` count them, beside the
+    retried request's."""
+    server, daemon = keyed
+    server.add(
+        [
+            Entry(
+                reply="partial",
+                chunk=4,
+                drop_after=1,
+                status=502,
+                in_stream=True,
+                usage=EntryUsage(prompt_tokens=40, completion_tokens=3, cost=0.001),
+            ),
+            Entry(
+                reply="whole", usage=EntryUsage(prompt_tokens=50, completion_tokens=2, cost=0.002)
+            ),
+        ]
+    )
+    sid = daemon.new(name="billed", backend="openai", model="replay")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "retrying in " in chat and chat.endswith("assistant: whole\n"), chat
+    assert daemon.read(f"s/{sid}/usage") == "90 in, 5 out, 2 requests, 0 cached\n"
+    assert daemon.read(f"s/{sid}/cost") == "costLast=$0.0030\ncostSession=$0.0030\n"

@@ -343,6 +343,28 @@ async def test_error_object_in_stream(error: dict[str, Any], expected: type[Back
     assert error["message"] in str(caught.value)
 
 
+@pytest.mark.parametrize("usage_first", [False, True], ids=["with the error", "before it"])
+def test_usage_of_a_failed_stream_comes_before_the_error(usage_first: bool) -> None:
+    """OpenRouter bills a request that fails mid-stream and reports its usage with the
+    error (or in a chunk before it): the usage event is out before the error is raised."""
+    usage = {"prompt_tokens": 40, "completion_tokens": 3, "cost": 0.001}
+    error = {
+        "id": "x",
+        "error": {"code": "server_error", "message": "Provider disconnected unexpectedly"},
+        "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}],
+    }
+    chunks: list[dict[str, Any] | str] = [delta(content="par")]
+    if usage_first:
+        chunks.append({"id": "x", "choices": [], "usage": usage})
+    else:
+        error["usage"] = usage
+    parser, out = OpenAIParser(), list[StreamEvent]()
+    with pytest.raises(BadResponseError, match="Provider disconnected"):
+        parser.feed(sse(*chunks, error, done=False), out)
+    assert [e.kind for e in out] == ["content", "usage"]
+    assert out[1].usage == Usage(input_tokens=40, output_tokens=3, cost=0.001)
+
+
 async def test_error_string_in_stream() -> None:
     with pytest.raises(BadResponseError, match="stream error: went wrong"):
         await events_of(reply(sse({"error": "went wrong"})))

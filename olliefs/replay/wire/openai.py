@@ -187,8 +187,22 @@ class OpenAIWire(Wire):
         return dumps({"error": error}), []
 
     def stream_error(self, status: int, entry: Entry) -> bytes:
+        """OpenRouter's error inside a 200 stream: ``error`` beside a choice finished
+        with ``"error"``, and the usage of the failed request when the entry gives one
+        (OpenRouter bills it)."""
         error = {"code": status, "message": error_message(status, entry)}
-        return event(dumps({"error": error}))
+        choice = {"index": 0, "delta": {"content": ""}, "finish_reason": "error"}
+        doc: dict[str, Any] = {"error": error, "choices": [choice]}
+        if (usage := entry.usage) is not None:
+            prompt, completion = usage.prompt_tokens or 0, usage.completion_tokens or 0
+            doc["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+            if usage.cost is not None:
+                doc["usage"]["cost"] = usage.cost
+        return event(dumps(doc))
 
     def garbage(self, text: str) -> bytes:
         return event(text.encode())
