@@ -22,10 +22,11 @@ out the sampling parameters those models refuse; ``thinking_budget`` becomes a
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -598,11 +599,34 @@ class OpenAIBackend(HTTPBackend):
         wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         body = request_body(model, messages, tools, params, openrouter=self._openrouter, wire=wire)
-        headers = {**_JSON_HEADERS, **(await self._request_headers())}
-        request = self._post(self._url(self.chat_path), msgspec.json.encode(body), headers)
-        parser = OpenAIParser(self.name, self._secrets)
-        async with self._stream(request, parser, stream_types=STREAM_TYPES) as events:
+        content = msgspec.json.encode(body)
+        async with contextlib.AsyncExitStack() as stack:
+            request = await self._chat_request(content)
+            try:
+                events = await stack.enter_async_context(self._chat(request))
+            except BackendError as err:
+                # Only a refusal of the request itself is renewed; an error the caller
+                # raises while reading the events does not pass here.
+                if not self._renewed(err):
+                    raise
+                request = await self._chat_request(content)
+                events = await stack.enter_async_context(self._chat(request))
             yield events
+
+    async def _chat_request(self, content: bytes) -> httpx.Request:
+        headers = {**_JSON_HEADERS, **(await self._request_headers())}
+        return self._post(self._url(self.chat_path), content, headers)
+
+    def _chat(
+        self, request: httpx.Request
+    ) -> AbstractAsyncContextManager[AsyncIterator[StreamEvent]]:
+        parser = OpenAIParser(self.name, self._secrets)
+        return self._stream(request, parser, stream_types=STREAM_TYPES)
+
+    def _renewed(self, err: BackendError) -> bool:
+        """Whether the request refused with ``err`` is worth sending once more, at once,
+        because what made it fail was renewed (Copilot: its short-lived token)."""
+        return False
 
     async def _request_headers(self) -> dict[str, str]:
         """Per-request headers (Copilot adds its short-lived token here)."""

@@ -119,6 +119,11 @@ Faults that act on the bytes of any answer, whatever its shape (fault tests and
 ``silent``
     Read the request and answer nothing at all, not even a status line, until the client
     goes away or the server stops (a server that accepted and hung).
+``revoke_token``
+    The short-lived token the request carries (one this server minted for Copilot or
+    Kiro) is revoked, and the request answered 401 in the wire's error shape: a token
+    that expired or was revoked before its time. Later requests with it are refused as
+    any unknown token is; a new exchange (or refresh) gets one that works.
 
 When the script runs out the server is in echo mode: it replies ``echo: <text of the last
 user message>``, so it is useful with no script at all. With ``then="error"`` it answers
@@ -199,6 +204,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     cut_after: Count | None = None
     byte_delay: NonNegative = 0.0
     silent: bool = False
+    revoke_token: bool = False
 
 
 def parse_script(text: str) -> list[Entry]:

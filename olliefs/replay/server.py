@@ -402,6 +402,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if entry.silent:
             return self._hang()
+        if entry.revoke_token:
+            self.replay.revoke(self._bearer() or "")
+            return self._fail(wire, 401, "unauthorized: token expired")
         headers = [
             (name, str(value))
             for name, value in (
@@ -679,6 +682,12 @@ class ReplayServer:
             token = f"{kind}-replay-token-{next(self._token_counter)}"
             self._tokens[kind].add(token)
         return token
+
+    def revoke(self, token: str) -> None:
+        """Stop accepting a token this server minted (``revoke_token``)."""
+        with self._lock:
+            for tokens in self._tokens.values():
+                tokens.discard(token)
 
     def minted(self, kind: str) -> set[str]:
         with self._lock:

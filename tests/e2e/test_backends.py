@@ -218,3 +218,22 @@ def test_usage_reported_with_an_error_in_the_stream_is_counted(
     assert "retrying in " in chat and chat.endswith("assistant: whole\n"), chat
     assert daemon.read(f"s/{sid}/usage") == "90 in, 5 out, 2 requests, 0 cached\n"
     assert daemon.read(f"s/{sid}/cost") == "costLast=$0.0030\ncostSession=$0.0030\n"
+
+
+def test_a_copilot_token_refused_mid_session_is_renewed_and_the_request_sent_again(
+    keyed: tuple[ReplayServer, Daemon],
+) -> None:
+    """Copilot's API refuses a token before its time (401): the backend exchanges the
+    GitHub token for a new one and sends the same request again, so the turn goes on."""
+    server, daemon = keyed
+    server.add([Entry(revoke_token=True), Entry(reply="after the renewal")])
+    sid = daemon.new(name="renew", backend="copilot", model="replay")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert chat.endswith("user: go\nassistant: after the renewal\n"), chat
+    first, second = server.recorded
+    assert first.body == second.body
+    tokens = [r.headers["authorization"].removeprefix("Bearer ") for r in (first, second)]
+    assert tokens[0] != tokens[1]
+    assert server.minted("copilot") == {tokens[1]}  # the first one is refused from now on

@@ -600,6 +600,7 @@ class FakeGitHub:
         self.exchanges = 0
         self.requests: list[httpx.Request] = []
         self.chat_status = 200
+        self.revoked: set[str] = set()  # Copilot tokens the API refuses (401)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
@@ -613,9 +614,12 @@ class FakeGitHub:
                 "endpoints": {"api": "https://api.business.githubcopilot.com"},
             }
             return httpx.Response(200, json=reply)
-        if self.chat_status != 200:
+        status = self.chat_status
+        if request.headers["authorization"].removeprefix("Bearer ") in self.revoked:
+            status = 401
+        if status != 200:
             return httpx.Response(
-                self.chat_status,
+                status,
                 json={"error": {"message": f"token {request.headers['authorization']} expired"}},
             )
         body = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n'
@@ -639,14 +643,23 @@ async def test_copilot_token_exchange_refresh_and_headers() -> None:
     now[0] += 1500  # refresh_in less a minute has passed
     await drain(backend)
     assert github.exchanges == 2
+    # A token revoked before its time: the 401 renews it and the request goes again,
+    # so the turn goes on.
+    github.revoked.add("tid=copilot-2")
+    assert [e.text for e in await drain(backend) if e.kind == "content"] == ["hi"]
+    assert github.exchanges == 3
+    chats = [r.headers["authorization"] for r in github.requests if r.url.host != "api.github.com"]
+    assert chats[-2:] == ["Bearer tid=copilot-2", "Bearer tid=copilot-3"]
+    # Refused again with the new token: one renewal only, then the error.
     github.chat_status = 401
     with pytest.raises(BadResponseError) as caught:
         await drain(backend)
+    assert github.exchanges == 4
     assert "tid=copilot" not in str(caught.value) and "***" in str(caught.value)
     assert str(caught.value).startswith("copilot: HTTP 401")
     github.chat_status = 200
     await drain(backend)  # the 401 dropped the token: exchanged again
-    assert github.exchanges == 3
+    assert github.exchanges == 5
     await backend.aclose()
 
 
