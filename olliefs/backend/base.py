@@ -110,7 +110,9 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
     thinking_budget: int | None = None
 
 
-StreamKind = Literal["content", "reasoning", "tool_calls", "usage", "done"]
+StreamKind = Literal[
+    "content", "reasoning", "tool_calls", "usage", "done", "server_call", "server_result"
+]
 
 
 class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -125,6 +127,11 @@ class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     * ``tool_calls``: ``tool_calls`` holds every call of the reply, complete, emitted once
       just before ``done`` (deltas are accumulated by the backend, since ids and names may
       arrive after the first argument fragments);
+    * ``server_call`` / ``server_result``: a tool the *provider* ran itself (Anthropic's
+      server tools: web search, code execution ...), already answered in the stream and
+      never to be run here: ``tool_calls`` holds the one call (its id, name and
+      arguments; for a result, its id and name), a result's ``text`` says what it gave.
+      Shown in chat; the reply's ``provider_data`` keeps the blocks for the history;
     * ``usage``: ``usage`` is set;
     * ``done``: the provider terminated the stream properly; ``finish_reason`` if known
       (``stop``, ``length``, ``tool_calls``, ``content_filter``, or the provider's own word

@@ -30,6 +30,13 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
     wire-specific ``<prefix>_<n>_<i>`` (Gemini and Ollama send none unless given),
     ``arguments`` to ``{}``. Streamed after the reply; where the wire streams arguments in
     fragments (OpenAI, Anthropic, Kiro) they come ``chunk`` characters at a time.
+``server_tools``
+    Anthropic wire only: ``[{"name", "arguments", "id", "result", "result_type",
+    "after"}]``, tools the provider ran itself: each a ``server_tool_use`` block (its
+    input streamed as ``input_json_delta``, id default ``srvtoolu_<n>_<i>``) and its
+    result block, ``result_type`` (default ``<name>_tool_result``) with ``result`` as its
+    ``content`` (default ``[]``), placed after ``after`` characters of the reply (the text
+    around them comes as separate text blocks, as the API sends it).
 ``late_ids``
     OpenAI wire: each call's argument fragments come first, without id or name; a later
     delta carries them.
@@ -156,6 +163,17 @@ class EntryToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return args if isinstance(args, str) else msgspec.json.encode(args).decode()
 
 
+class EntryServerTool(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A tool the provider ran itself, already answered (Anthropic's server tools)."""
+
+    name: str = "web_search"
+    arguments: dict[str, Any] = {}
+    id: str | None = None
+    result: Any = None  # the result block's ``content``; None: no results (``[]``)
+    result_type: str | None = None  # default ``<name>_tool_result``
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0  # characters of ``reply`` before it
+
+
 class EntryUsage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Token counts to report; ``None`` fields get the character-based defaults."""
 
@@ -174,6 +192,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
     signature: str | None = None
     tool_calls: tuple[EntryToolCall, ...] = ()
+    server_tools: tuple[EntryServerTool, ...] = ()
     late_ids: bool = False
     chunk: Annotated[int, msgspec.Meta(ge=1)] = 4
     delay: NonNegative = 0.0

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from olliefs.replay import Entry, EntryToolCall, EntryUsage, Recorded, ReplayServer
+from olliefs.replay import Entry, EntryServerTool, EntryToolCall, EntryUsage, Recorded, ReplayServer
 from olliefs.testing import HAVE_FUSE, Daemon
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse (mounts for real)")
@@ -237,3 +237,51 @@ def test_a_copilot_token_refused_mid_session_is_renewed_and_the_request_sent_aga
     tokens = [r.headers["authorization"].removeprefix("Bearer ") for r in (first, second)]
     assert tokens[0] != tokens[1]
     assert server.minted("copilot") == {tokens[1]}  # the first one is refused from now on
+
+
+def test_tools_the_provider_ran_are_shown_kept_and_never_run(
+    keyed: tuple[ReplayServer, Daemon],
+) -> None:
+    """Anthropic server tools (a web search here) come answered in the stream: chat
+    shows the call and what it found, nothing runs them here (no "unknown tool", no
+    second request), and the next request carries the blocks back where they stood."""
+    server, daemon = keyed
+    found = {
+        "type": "web_search_result",
+        "title": "Paris",
+        "url": "https://example.org/paris",
+        "encrypted_content": "Eqgf",
+        "page_age": None,
+    }
+    search = EntryServerTool(
+        name="web_search",
+        arguments={"query": "capital of France"},
+        id="srvtoolu_e2e",
+        result=[found],
+        after=len("Searching."),
+    )
+    server.add([Entry(reply="Searching. It is Paris.", server_tools=(search,))])
+    sid = daemon.new(name="search", backend="anthropic", model="replay")
+    daemon.prompt(sid, "capital?")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert chat.endswith(
+        "user: capital?\n"
+        "assistant: Searching.\n"
+        '-> web_search({"query":"capital of France"})\n'
+        "[run by anthropic] 1 found:\n"
+        "Paris <https://example.org/paris>\n"
+        "assistant:  It is Paris.\n"
+    ), chat
+    assert len(server.recorded) == 1  # nothing was answered here: the turn is over
+    assert daemon.read(f"s/{sid}/tcct") == "0\n"
+    daemon.prompt(sid, "thanks")
+    daemon.wait_idle(sid)
+    assistant = server.recorded[-1].body["messages"][1]
+    assert [b["type"] for b in assistant["content"]] == [
+        "text",
+        "server_tool_use",
+        "web_search_tool_result",
+        "text",
+    ]
+    assert assistant["content"][2]["content"] == [found]

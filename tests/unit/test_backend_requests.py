@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from olliefs.backend.anthropic import AnthropicBackend, AnthropicParser
+from olliefs.backend.anthropic import AnthropicBackend, AnthropicParser, server_result_text
 from olliefs.backend.anthropic import request_body as anthropic_body
 from olliefs.backend.base import (
     Backend,
@@ -229,6 +229,117 @@ def test_anthropic_usage_counts_cache_in_input_and_later_totals_win() -> None:
         ),
         StreamEvent("done", finish_reason="length", response_id="msg_1"),
     ]
+
+
+def server_tool_stream() -> list[bytes]:
+    """Text, a web search the provider ran (its input in two deltas, its result whole at
+    its start), more text, then a tool call of ours."""
+    search = {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}
+    found = [
+        {
+            "type": "web_search_result",
+            "title": "Paris",
+            "url": "https://example.org/paris",
+            "encrypted_content": "EqgfCioIARgBIiQ3",
+            "page_age": None,
+        }
+    ]
+    result = {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": found}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {}}
+
+    def delta(index: int, **fields: Any) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": index, "delta": fields}
+
+    def block(index: int, start: dict[str, Any], *deltas: dict[str, Any]) -> list[dict[str, Any]]:
+        begin = {"type": "content_block_start", "index": index, "content_block": start}
+        return [begin, *deltas, {"type": "content_block_stop", "index": index}]
+
+    return anthropic_events(
+        {"type": "message_start", "message": {"id": "m"}},
+        *block(0, {"type": "text", "text": ""}, delta(0, type="text_delta", text="Looking.")),
+        *block(
+            1,
+            search,
+            delta(1, type="input_json_delta", partial_json='{"query": '),
+            delta(1, type="input_json_delta", partial_json='"capital of France"}'),
+        ),
+        *block(2, result),
+        *block(3, {"type": "text", "text": ""}, delta(3, type="text_delta", text="Paris.")),
+        *block(4, call, delta(4, type="input_json_delta", partial_json='{"path": "."}')),
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}},
+        {"type": "message_stop"},
+    )
+
+
+def test_anthropic_server_tools_are_shown_and_kept_never_called() -> None:
+    """A tool the provider ran itself is no tool call of ours: it is reported (for chat)
+    and kept verbatim, where it stood in the text, for the next request."""
+    events = parse_all(AnthropicParser(), server_tool_stream())
+    assert [e.kind for e in events] == [
+        "content",
+        "server_call",
+        "server_result",
+        "content",
+        "usage",
+        "tool_calls",
+        "done",
+    ]
+    [call] = events[1].tool_calls
+    assert (call.id, call.name, json.loads(call.arguments)) == (
+        "srvtoolu_1",
+        "web_search",
+        {"query": "capital of France"},
+    )
+    assert events[2].tool_calls == (ToolCall("srvtoolu_1", "web_search", ""),)
+    assert events[2].text == ("[run by anthropic] 1 found:\nParis <https://example.org/paris>")
+    assert events[5].tool_calls == (ToolCall("toolu_1", "ls", '{"path": "."}'),)
+    done = events[-1]
+    reply = Message(
+        "assistant",
+        "Looking.Paris.",
+        tool_calls=events[5].tool_calls,
+        provider_data=done.provider_data,
+    )
+    body = anthropic_body("claude-x", [Message("user", "go"), reply], [TOOL], GenerationParams())
+    blocks = body["messages"][1]["content"]
+    assert [b["type"] for b in blocks] == [
+        "text",
+        "server_tool_use",
+        "web_search_tool_result",
+        "text",
+        "tool_use",
+    ]
+    assert blocks[0]["text"] == "Looking." and blocks[3]["text"] == "Paris."
+    assert blocks[1] == {
+        "type": "server_tool_use",
+        "id": "srvtoolu_1",
+        "name": "web_search",
+        "input": {"query": "capital of France"},
+    }
+    assert blocks[2]["content"][0]["encrypted_content"] == "EqgfCioIARgBIiQ3"  # verbatim
+
+
+@pytest.mark.parametrize(
+    ("content", "shown"),
+    [
+        (
+            {"type": "web_search_tool_result_error", "error_code": "max_uses_exceeded"},
+            "error: max_uses_exceeded",
+        ),
+        (
+            {"type": "code_execution_result", "stdout": "4\n", "stderr": "", "return_code": 0},
+            "4\n(exit status 0)",
+        ),
+        (
+            {"type": "web_fetch_result", "url": "https://example.org/"},
+            "fetched <https://example.org/>",
+        ),
+        ([{"type": "text", "text": "from the MCP server"}], "from the MCP server"),
+        ({"type": "future_result", "n": 1}, '{"type":"future_result","n":1}'),
+    ],
+)
+def test_anthropic_server_tool_results_in_a_few_words(content: Any, shown: str) -> None:
+    assert server_result_text({"type": "x_tool_result", "content": content}) == shown
 
 
 def test_anthropic_signature_delta_replaces() -> None:

@@ -111,11 +111,31 @@ class AnthropicWire(Wire):
             signature = e.signature if e.signature is not None else f"sig-{answer.n}"
             deltas.append(({"type": "signature_delta", "signature": signature}, ""))
             block({"type": "thinking", "thinking": "", "signature": ""}, deltas)
-        if e.reply or not answer.calls:
+
+        def text(part: str) -> None:
             block(
                 {"type": "text", "text": ""},
-                [({"type": "text_delta", "text": p}, p) for p in answer.pieces(e.reply)],
+                [({"type": "text_delta", "text": p}, p) for p in answer.pieces(part)],
             )
+
+        done = 0
+        for i, tool in enumerate(e.server_tools):
+            at = min(max(tool.after, done), len(e.reply))
+            if at > done:
+                text(e.reply[done:at])
+                done = at
+            use_id = tool.id if tool.id is not None else f"srvtoolu_{answer.n}_{i}"
+            use = {"type": "server_tool_use", "id": use_id, "name": tool.name, "input": {}}
+            pieces = answer.pieces(dumps(tool.arguments).decode()) or [""]
+            block(use, [({"type": "input_json_delta", "partial_json": p}, "") for p in pieces])
+            result = {
+                "type": tool.result_type or f"{tool.name}_tool_result",
+                "tool_use_id": use_id,
+                "content": [] if tool.result is None else tool.result,
+            }
+            block(result, [])
+        if e.reply[done:] or not (answer.calls or e.server_tools):
+            text(e.reply[done:])
         for i, call in enumerate(answer.calls):
             start = {
                 "type": "tool_use",
