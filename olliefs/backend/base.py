@@ -101,6 +101,11 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ``thinking.budget_tokens``, Gemini's ``thinkingBudget``, Ollama's ``think``, a
     ``reasoning_effort`` for OpenAI reasoning models (ollie-replay(1) lists the mapping).
     0 turns thinking off where the provider allows it.
+
+    ``text_tools``: whether tool calls and ``<think>`` reasoning that a model writes into
+    its reply's text are read as such (``texttools.py``); None is the backend's default
+    (on for the OpenAI-compatible and Ollama backends, off for Copilot's; the other wires
+    have no use for it). Not a sampling parameter, but a request's reading of its reply.
     """
 
     max_tokens: int | None = None
@@ -108,6 +113,7 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     thinking_budget: int | None = None
+    text_tools: bool | None = None
 
 
 StreamKind = Literal[

@@ -65,6 +65,7 @@ class _Unauthorized(BadResponseError):
 
 class CopilotBackend(OpenAIBackend):
     default_model = "gpt-4.1"
+    text_tools = False  # hosted models with tool calls of their own: text is text
 
     def __init__(
         self,

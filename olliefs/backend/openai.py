@@ -15,6 +15,10 @@ becomes a typed error rather than a silently shorter reply. The drift this reads
   usage that came with such an error (or before it) is reported before the error is
   raised, since the failed request was billed.
 
+Open models whose server does not parse their chat template write tool calls
+(``<tool_call>``, a bare JSON object) and thinking (``<think>``) into the content: those
+are read out of it (``texttools.py``) unless ``GenerationParams.text_tools`` is False.
+
 Requests to reasoning models (o1, o3, o4, gpt-5) use ``max_completion_tokens`` and leave
 out the sampling parameters those models refuse; ``thinking_budget`` becomes a
 ``reasoning_effort`` there, and ``reasoning.max_tokens`` on OpenRouter.
@@ -52,6 +56,7 @@ from olliefs.backend.stream import (
     http_error,
     one_line,
 )
+from olliefs.backend.texttools import TextTools
 
 WIRE = "openai"  # the provider_data key of this wire format
 STREAM_TYPES = ("text/event-stream",)
@@ -196,9 +201,12 @@ class OpenAIParser:
     complete at ``[DONE]``, so they are kept here and emitted once, just before ``done``.
     """
 
-    def __init__(self, provider: str = "openai", secrets: Secrets = None) -> None:
+    def __init__(
+        self, provider: str = "openai", secrets: Secrets = None, text: TextTools | None = None
+    ) -> None:
         self._provider = provider
         self._secrets = secrets
+        self._text = text  # reads tool calls and <think> out of the content, if set
         self._sse = SSEDecoder(provider)
         self.done = False
         self._calls: dict[int, _PartialCall] = {}
@@ -236,7 +244,10 @@ class OpenAIParser:
                     break
             text = "".join([piece.choices[0].delta.content for piece in texts])
             if text:
-                out.append(StreamEvent("content", text=text))
+                if self._text is None:
+                    out.append(StreamEvent("content", text=text))
+                else:
+                    self._text.feed(text, out)
             return
         payloads = data_payloads(head)
         if len(payloads) > 1:
@@ -287,7 +298,10 @@ class OpenAIParser:
             ):
                 if chunk.id:
                     self._response_id = chunk.id
-                out.append(StreamEvent("content", text=delta.content))
+                if self._text is None:
+                    out.append(StreamEvent("content", text=delta.content))
+                else:
+                    self._text.feed(delta.content, out)
                 return
         self._chunk(chunk, data, out)
 
@@ -312,7 +326,10 @@ class OpenAIParser:
             if reasoning := delta.reasoning_content or delta.reasoning:
                 out.append(StreamEvent("reasoning", text=reasoning))
             if delta.content:
-                out.append(StreamEvent("content", text=delta.content))
+                if self._text is None:
+                    out.append(StreamEvent("content", text=delta.content))
+                else:
+                    self._text.feed(delta.content, out)
             if delta.tool_calls:
                 for call in delta.tool_calls:
                     self._add(call.index, call.id, call.function)
@@ -355,11 +372,14 @@ class OpenAIParser:
 
     def _finish(self, out: list[StreamEvent]) -> None:
         self.done = True
+        written = self._text.finish(out) if self._text is not None else []
         if self._usage is not None:
             out.append(StreamEvent("usage", usage=self._usage))
-        if self._calls:
+        if self._calls or written:
             calls = tuple(self._calls[i].complete() for i in sorted(self._calls))
-            out.append(StreamEvent("tool_calls", tool_calls=calls))
+            out.append(StreamEvent("tool_calls", tool_calls=(*calls, *written)))
+            if written and self._finish_reason in ("", "stop"):
+                self._finish_reason = "tool_calls"
         data: dict[str, Any] = {}
         if self._details:
             details = [self._details[i] for i in sorted(self._details)]
@@ -561,6 +581,9 @@ class OpenAIBackend(HTTPBackend):
     default_model = "gpt-4o-mini"
     chat_path = "chat/completions"
     models_path = "models"
+    # Open models behind compatible servers often write their tool calls and thinking
+    # into the text (texttools.py); a profile's textToolCalls turns this off.
+    text_tools = True
 
     def __init__(
         self,
@@ -600,27 +623,35 @@ class OpenAIBackend(HTTPBackend):
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         body = request_body(model, messages, tools, params, openrouter=self._openrouter, wire=wire)
         content = msgspec.json.encode(body)
+        names = [t.name for t in tools] if self._reads_text(params) else None
         async with contextlib.AsyncExitStack() as stack:
             request = await self._chat_request(content)
             try:
-                events = await stack.enter_async_context(self._chat(request))
+                events = await stack.enter_async_context(self._chat(request, names))
             except BackendError as err:
                 # Only a refusal of the request itself is renewed; an error the caller
                 # raises while reading the events does not pass here.
                 if not self._renewed(err):
                     raise
                 request = await self._chat_request(content)
-                events = await stack.enter_async_context(self._chat(request))
+                events = await stack.enter_async_context(self._chat(request, names))
             yield events
+
+    def _reads_text(self, params: GenerationParams) -> bool:
+        """Whether tool calls and <think> in the reply's text are read (``texttools``)."""
+        return self.text_tools if params.text_tools is None else params.text_tools
 
     async def _chat_request(self, content: bytes) -> httpx.Request:
         headers = {**_JSON_HEADERS, **(await self._request_headers())}
         return self._post(self._url(self.chat_path), content, headers)
 
     def _chat(
-        self, request: httpx.Request
+        self, request: httpx.Request, tools: list[str] | None
     ) -> AbstractAsyncContextManager[AsyncIterator[StreamEvent]]:
-        parser = OpenAIParser(self.name, self._secrets)
+        """``tools``: the names of the request's tools, to read calls written in the
+        reply's text; None: the text is not read."""
+        text = TextTools(tools) if tools is not None else None
+        parser = OpenAIParser(self.name, self._secrets, text)
         return self._stream(request, parser, stream_types=STREAM_TYPES)
 
     def _renewed(self, err: BackendError) -> bool:

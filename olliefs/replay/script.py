@@ -37,6 +37,14 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
     result block, ``result_type`` (default ``<name>_tool_result``) with ``result`` as its
     ``content`` (default ``[]``), placed after ``after`` characters of the reply (the text
     around them comes as separate text blocks, as the API sends it).
+``in_text``
+    ``"tags"`` or ``"json"``: the reasoning and the tool calls are written into the
+    reply's text, as open models do when their server does not parse their template
+    (every wire streams them as text): ``<think>REASONING</think>`` and a blank line
+    first, then the reply, then each call on a line of its own, as ``<tool_call>{"name":
+    ..., "arguments": ...}</tool_call>`` (``"tags"``) or as that bare JSON object
+    (``"json"``); arguments given as a string are written as they are (malformed ones
+    stay malformed).
 ``late_ids``
     OpenAI wire: each call's argument fragments come first, without id or name; a later
     delta carries them.
@@ -193,6 +201,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     signature: str | None = None
     tool_calls: tuple[EntryToolCall, ...] = ()
     server_tools: tuple[EntryServerTool, ...] = ()
+    in_text: Literal["tags", "json"] | None = None
     late_ids: bool = False
     chunk: Annotated[int, msgspec.Meta(ge=1)] = 4
     delay: NonNegative = 0.0

@@ -10,9 +10,10 @@ carry the tool result (and the provider's opaque state) back in that provider's 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -285,3 +286,69 @@ def test_tools_the_provider_ran_are_shown_kept_and_never_run(
         "text",
     ]
     assert assistant["content"][2]["content"] == [found]
+
+
+def written_turn(form: Literal["tags", "json"]) -> list[Entry]:
+    """A turn whose thinking and tool call the model wrote into its text (``in_text``),
+    as open models do when their server does not parse them; then the answer."""
+    call = EntryToolCall(name="file_read", arguments={"path": "notes.txt"})
+    return [
+        Entry(
+            reasoning="Read the notes first.",
+            reply="Reading." if form == "tags" else "",  # a bare JSON call opens the reply
+            tool_calls=(call,),
+            in_text=form,
+            chunk=3,  # every tag and the JSON cut between deltas
+        ),
+        Entry(reply="The notes say alpha."),
+    ]
+
+
+@pytest.mark.parametrize("form", ["tags", "json"])
+@pytest.mark.parametrize("name", ["openai", "ollama"])
+def test_tool_calls_and_thinking_written_in_the_text_are_read(
+    keyed: tuple[ReplayServer, Daemon], name: str, form: Literal["tags", "json"]
+) -> None:
+    server, daemon = keyed
+    (daemon.work / "notes.txt").write_text("alpha\n")
+    server.add(written_turn(form))
+    sid = daemon.new(name=f"w-{name}-{form}", backend=name, model="replay")
+    daemon.write(f"s/{sid}/ctl", "tool_load file_read")
+    daemon.prompt(sid, "what do the notes say?")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    said = "assistant: Reading.\n" if form == "tags" else ""
+    assert (
+        "user: what do the notes say?\n<think>\nRead the notes first.\n</think>\n"
+        f'{said}-> file_read({{"path":"notes.txt"}})\n1\talpha\n'
+        "assistant: The notes say alpha.\n"
+    ) in chat, chat
+    assert "<tool_call>" not in chat and '"name"' not in chat
+    # The call went back as a call of the wire, answered by its result.
+    _, text = tool_result_of(name, server.recorded[1])
+    assert "alpha" in text
+    if name == "openai":
+        [assistant] = [m for m in server.recorded[1].body["messages"] if m.get("tool_calls")]
+        [call] = assistant["tool_calls"]
+        assert call["function"] == {"name": "file_read", "arguments": '{"path":"notes.txt"}'}
+
+
+def test_a_profile_can_leave_the_text_as_written(keyed: tuple[ReplayServer, Daemon]) -> None:
+    """textToolCalls false: the markup stays the reply's text and no call is run."""
+    server, daemon = keyed
+    profile = {"tools": ["client_9p", "file_read"], "textToolCalls": False}
+    fd = os.open(daemon.p("a/plain.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, json.dumps(profile).encode())
+    finally:
+        os.close(fd)
+    server.add(written_turn("tags")[:1])
+    sid = daemon.new(name="plain", backend="openai", model="replay", agent="plain")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert chat.endswith(
+        "user: go\nassistant: <think>Read the notes first.</think>\n\nReading.\n"
+        '<tool_call>\n{"name": "file_read", "arguments": {"path":"notes.txt"}}\n</tool_call>\n'
+    ), chat
+    assert len(server.recorded) == 1

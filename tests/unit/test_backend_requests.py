@@ -460,6 +460,36 @@ def test_ollama_done_line_content_is_kept_and_string_arguments_pass() -> None:
     assert events[-1].finish_reason == "tool_calls"
 
 
+async def test_ollama_reads_a_call_and_thinking_written_in_the_text() -> None:
+    """A model whose template Ollama does not parse writes both into the content (a
+    bare JSON call here, Llama 3's "parameters"); the backend reads them unless the
+    request's parameters say not to."""
+    pieces = ["<think>", "the dir</think>\n", '{"name": "ls", ', '"parameters": {"path": "."}}']
+    lines = [
+        json.dumps({"message": {"content": p}, "done": False}).encode() + b"\n" for p in pieces
+    ]
+    lines.append(b'{"message": {"content": ""}, "done": true, "done_reason": "stop"}\n')
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, headers={"content-type": "application/x-ndjson"}, content=b"".join(lines)
+        )
+
+    for params, read in ((GenerationParams(), True), (GenerationParams(text_tools=False), False)):
+        backend = OllamaBackend("ollama", "http://h", transport=httpx.MockTransport(handler))
+        async with backend.stream("m", HISTORY, [TOOL], params) as stream:
+            events = [e async for e in stream]
+        await backend.aclose()
+        calls = [c for e in events if e.kind == "tool_calls" for c in e.tool_calls]
+        content = "".join(e.text for e in events if e.kind == "content")
+        if read:
+            assert [(c.name, json.loads(c.arguments)) for c in calls] == [("ls", {"path": "."})]
+            assert content == "" and events[-1].finish_reason == "tool_calls"
+            assert "".join(e.text for e in events if e.kind == "reasoning") == "the dir"
+        else:
+            assert not calls and content == "".join(pieces)
+
+
 def test_ollama_context_from_show() -> None:
     show = OllamaShow(model_info={"general.architecture": "qwen3", "qwen3.context_length": 40960})
     assert context_of(show) == 40960

@@ -35,9 +35,11 @@ from olliefs.backend.base import (
     TransientError,
     Usage,
 )
+from olliefs.backend.copilot import CopilotBackend
 from olliefs.backend.openai import OpenAIBackend, OpenAIParser, normalize_base_url
 from olliefs.backend.pool import backend_names, make_backend
 from olliefs.backend.stream import SSEDecoder, coalesce
+from olliefs.backend.texttools import TextTools
 
 KEY = "sk-test-0123456789abcdef"
 USER = [Message("user", "hi")]
@@ -818,3 +820,78 @@ def test_batched_payloads_read_as_one_at_a_time(
     the payload-by-payload path, however the bytes are split into reads."""
     body = sse(*items, done=done)
     assert _outcome(body, cuts, False) == _outcome(body, cuts, True)
+
+
+# --- tool calls and thinking written in the text ---------------------------------------------
+
+LS = Tool("ls", "list a directory", {"type": "object", "properties": {}})
+WRITTEN = sse(
+    delta(content="<thi"),
+    delta(content="nk>look first</think>\n\nOn it.\n<tool_"),
+    delta(content='call>{"name": "ls", "arguments": {"path": "."}}</tool_call>'),
+    finish("stop"),
+)
+
+
+async def stream_of(backend: OpenAIBackend, params: GenerationParams) -> list[StreamEvent]:
+    try:
+        async with backend.stream("m", USER, [LS], params) as events:
+            return [event async for event in events]
+    finally:
+        await backend.aclose()
+
+
+async def test_tool_calls_and_think_written_in_the_text_are_read() -> None:
+    """Open models behind compatible servers write both into the content; the tags may
+    be cut anywhere between deltas."""
+    events = await stream_of(make(reply(WRITTEN)), NO_PARAMS)
+    assert texts(events, "reasoning") == "look first"
+    assert texts(events, "content") == "On it.\n"
+    [calls] = [e.tool_calls for e in events if e.kind == "tool_calls"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("ls", {"path": "."})]
+    assert calls[0].id.startswith("call_")
+    assert events[-1].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("backend", "params"),
+    [
+        (lambda h: make(h), GenerationParams(text_tools=False)),  # a profile turned it off
+        (  # Copilot serves hosted models with tool calls of their own: off by default
+            lambda h: CopilotBackend(
+                "copilot", "gho_x", api_url="http://h", transport=httpx.MockTransport(h)
+            ),
+            NO_PARAMS,
+        ),
+    ],
+    ids=["textToolCalls false", "copilot"],
+)
+async def test_text_stays_text_when_not_read(
+    backend: Callable[[Handler], OpenAIBackend], params: GenerationParams
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/token"):
+            return httpx.Response(200, json={"token": "t", "refresh_in": 1500})
+        return reply(WRITTEN)(request)
+
+    events = await stream_of(backend(handler), params)
+    assert texts(events, "content") == (
+        '<think>look first</think>\n\nOn it.\n<tool_call>{"name": "ls", "arguments": '
+        '{"path": "."}}</tool_call>'
+    )
+    assert not [e for e in events if e.kind in ("tool_calls", "reasoning")]
+
+
+def test_plain_text_keeps_one_event_per_read() -> None:
+    """Reading the text costs the fast path nothing: a read of many text payloads is
+    still one content event, the same as with nothing read out of the text."""
+    plain = [sse(*(delta(content=f"word {i}, {{x}} ") for i in range(50)), done=False)] * 3
+    for text in (None, TextTools(["ls"])):
+        parser = OpenAIParser(text=text)
+        parser.feed(plain[0], [])  # (the first read of a stream takes the general path)
+        for read in plain[1:]:
+            out = list[StreamEvent]()
+            parser.feed(read, out)
+            assert out == [
+                StreamEvent("content", text="".join(f"word {i}, {{x}} " for i in range(50)))
+            ]

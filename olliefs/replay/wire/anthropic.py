@@ -104,9 +104,10 @@ class AnthropicWire(Wire):
             frames.append(Frame(event("content_block_stop", {"index": index})))
             index += 1
 
-        if e.reasoning:
+        if answer.reasoning:
             deltas: list[tuple[dict[str, Any], str]] = [
-                ({"type": "thinking_delta", "thinking": p}, "") for p in answer.pieces(e.reasoning)
+                ({"type": "thinking_delta", "thinking": p}, "")
+                for p in answer.pieces(answer.reasoning)
             ]
             signature = e.signature if e.signature is not None else f"sig-{answer.n}"
             deltas.append(({"type": "signature_delta", "signature": signature}, ""))
@@ -120,9 +121,9 @@ class AnthropicWire(Wire):
 
         done = 0
         for i, tool in enumerate(e.server_tools):
-            at = min(max(tool.after, done), len(e.reply))
+            at = min(max(tool.after, done), len(answer.reply))
             if at > done:
-                text(e.reply[done:at])
+                text(answer.reply[done:at])
                 done = at
             use_id = tool.id if tool.id is not None else f"srvtoolu_{answer.n}_{i}"
             use = {"type": "server_tool_use", "id": use_id, "name": tool.name, "input": {}}
@@ -134,8 +135,8 @@ class AnthropicWire(Wire):
                 "content": [] if tool.result is None else tool.result,
             }
             block(result, [])
-        if e.reply[done:] or not (answer.calls or e.server_tools):
-            text(e.reply[done:])
+        if answer.reply[done:] or not (answer.calls or e.server_tools):
+            text(answer.reply[done:])
         for i, call in enumerate(answer.calls):
             start = {
                 "type": "tool_use",

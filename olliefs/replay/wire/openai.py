@@ -111,9 +111,9 @@ class OpenAIWire(Wire):
         """Every counted delta, paired with its content text."""
         e = answer.entry
         out: list[tuple[dict[str, Any], str]] = [
-            ({e.reasoning_field: p}, "") for p in answer.pieces(e.reasoning)
+            ({e.reasoning_field: p}, "") for p in answer.pieces(answer.reasoning)
         ]
-        out += [({"content": p}, p) for p in answer.pieces(e.reply)]
+        out += [({"content": p}, p) for p in answer.pieces(answer.reply)]
         for index, (call_id, name, arguments) in enumerate(self._calls(answer)):
             function = {"name": name, "arguments": ""}
             head = {"index": index, "id": call_id, "type": "function", "function": function}
@@ -145,9 +145,9 @@ class OpenAIWire(Wire):
 
     def complete(self, answer: Answer, body: dict[str, Any]) -> bytes | None:
         e = answer.entry
-        message: dict[str, Any] = {"role": "assistant", "content": e.reply or None}
-        if e.reasoning:
-            message[e.reasoning_field] = e.reasoning
+        message: dict[str, Any] = {"role": "assistant", "content": answer.reply or None}
+        if answer.reasoning:
+            message[e.reasoning_field] = answer.reasoning
         if answer.calls:
             message["tool_calls"] = [
                 {"id": i, "type": "function", "function": {"name": name, "arguments": args}}
