@@ -352,3 +352,26 @@ def test_a_profile_can_leave_the_text_as_written(keyed: tuple[ReplayServer, Daem
         '<tool_call>\n{"name": "file_read", "arguments": {"path":"notes.txt"}}\n</tool_call>\n'
     ), chat
     assert len(server.recorded) == 1
+
+
+def test_a_written_call_cut_off_goes_back_as_a_tool_error(
+    keyed: tuple[ReplayServer, Daemon],
+) -> None:
+    """A call written in the text whose JSON was cut off: not run, answered with a tool
+    error that says so; the next request holds the call with arguments that parse."""
+    server, daemon = keyed
+    cut = EntryToolCall(name="file_read", arguments='{"path": "notes', id="ignored")
+    server.add([Entry(tool_calls=(cut,), in_text="tags"), Entry(reply="I will ask again.")])
+    sid = daemon.new(name="cut", backend="openai", model="replay")
+    daemon.write(f"s/{sid}/ctl", "tool_load file_read")
+    daemon.prompt(sid, "go")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "\n[tool error] the arguments were cut off before their end (truncated JSON); " in chat
+    assert chat.endswith("assistant: I will ask again.\n"), chat
+    messages = server.recorded[1].body["messages"]
+    [call] = [c for m in messages for c in m.get("tool_calls", ())]
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("file_read", "{}")
+    [result] = [m for m in messages if m["role"] == "tool"]
+    assert result["tool_call_id"] == call["id"]
+    assert result["content"].startswith("[tool error] the arguments were cut off")

@@ -5,7 +5,9 @@
 ``cache_creation_input_tokens`` apart), then per content block ``content_block_start``,
 its deltas (``thinking_delta`` then one ``signature_delta``; ``text_delta``;
 ``input_json_delta``) and ``content_block_stop``; ``message_delta`` with the stop reason
-and the output tokens; ``message_stop``. Errors are
+and the output tokens; ``message_stop``. Tools the provider ran itself (``server_tools``)
+are a ``server_tool_use`` block, its input as ``input_json_delta``, then its result block
+whole at its start, between text blocks, as the API sends web search results. Errors are
 ``{"type": "error", "error": {"type", "message"}}``, in a body or as an ``error`` event.
 """
 
