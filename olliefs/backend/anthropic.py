@@ -253,9 +253,9 @@ class AnthropicParser:
             elif delta.type == "signature_delta":
                 block.signature = delta.signature
         elif kind == "content_block_start":
-            if (raw := event.content_block) is None:
-                return
-            if raw.get("type") not in _OWN_BLOCKS:
+            if (raw := event.content_block) is None or not isinstance(raw.get("type"), str):
+                return  # no block a request could carry back
+            if raw["type"] not in _OWN_BLOCKS:
                 self._server_block(event.index, raw)
                 return
             try:

@@ -45,7 +45,7 @@ from olliefs.backend.base import (
     Usage,
     WireCache,
 )
-from olliefs.backend.openai import function_tools, parse_base_url
+from olliefs.backend.openai import content_event, function_tools, parse_base_url
 from olliefs.backend.stream import (
     HTTPBackend,
     NDJSONSplitter,
@@ -102,6 +102,7 @@ class OllamaParser:
         self._provider = provider
         self._secrets = secrets
         self._text = text  # reads tool calls and <think> out of the content, if set
+        self._content = text.feed if text is not None else content_event
         self._lines = NDJSONSplitter(provider)
         self.done = False
         self._calls: list[ToolCall] = []
@@ -130,10 +131,7 @@ class OllamaParser:
             if message.thinking:
                 out.append(StreamEvent("reasoning", text=message.thinking))
             if message.content:
-                if self._text is None:
-                    out.append(StreamEvent("content", text=message.content))
-                else:
-                    self._text.feed(message.content, out)
+                self._content(message.content, out)
             for call in message.tool_calls or ():
                 self._calls.append(self._call(call))
         if line.done:

@@ -194,6 +194,11 @@ class _PartialCall:
         )
 
 
+def content_event(text: str, out: list[StreamEvent]) -> None:
+    """A piece of the reply's text, passed on as it came."""
+    out.append(StreamEvent("content", text=text))
+
+
 class OpenAIParser:
     """One streamed chat completion, read incrementally (see ``stream.Parser``).
 
@@ -207,6 +212,7 @@ class OpenAIParser:
         self._provider = provider
         self._secrets = secrets
         self._text = text  # reads tool calls and <think> out of the content, if set
+        self._content = text.feed if text is not None else content_event
         self._sse = SSEDecoder(provider)
         self.done = False
         self._calls: dict[int, _PartialCall] = {}
@@ -244,10 +250,7 @@ class OpenAIParser:
                     break
             text = "".join([piece.choices[0].delta.content for piece in texts])
             if text:
-                if self._text is None:
-                    out.append(StreamEvent("content", text=text))
-                else:
-                    self._text.feed(text, out)
+                self._content(text, out)
             return
         payloads = data_payloads(head)
         if len(payloads) > 1:
@@ -298,10 +301,7 @@ class OpenAIParser:
             ):
                 if chunk.id:
                     self._response_id = chunk.id
-                if self._text is None:
-                    out.append(StreamEvent("content", text=delta.content))
-                else:
-                    self._text.feed(delta.content, out)
+                self._content(delta.content, out)
                 return
         self._chunk(chunk, data, out)
 
@@ -326,10 +326,7 @@ class OpenAIParser:
             if reasoning := delta.reasoning_content or delta.reasoning:
                 out.append(StreamEvent("reasoning", text=reasoning))
             if delta.content:
-                if self._text is None:
-                    out.append(StreamEvent("content", text=delta.content))
-                else:
-                    self._text.feed(delta.content, out)
+                self._content(delta.content, out)
             if delta.tool_calls:
                 for call in delta.tool_calls:
                     self._add(call.index, call.id, call.function)
