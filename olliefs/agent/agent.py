@@ -145,6 +145,7 @@ class Agent:
         self.hook_failure: HookFailure = "warn"
         self.hook_timeout = HOOK_TIMEOUT
         self.compaction_model: str | None = None  # the profile's compactionModel
+        self.text_tool_calls: bool | None = None  # the profile's textToolCalls
         # ``ctl compact`` during a turn (the agent asking through its own ctl, or the
         # user): the focus, taken before the turn's next request.
         self.compact_requested: str | None = None
@@ -165,7 +166,10 @@ class Agent:
         return self.services.backend(self.cfg.backend)
 
     def params(self) -> GenerationParams:
-        return self.cfg.params()
+        params = self.cfg.params()
+        if self.text_tool_calls is None:
+            return params
+        return msgspec.structs.replace(params, text_tools=self.text_tool_calls)
 
     def set_state(self, state: str) -> None:
         self.host.set_state(state)

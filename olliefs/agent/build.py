@@ -48,6 +48,7 @@ class Runtime:
     hooks: dict[str, list[str]]  # event -> commands, only events that have some
     hook_failure: HookFailure
     hook_timeout: float
+    text_tool_calls: bool | None = None  # None: the backend's default
     description: str = ""
     notes: list[str] = field(default_factory=list)  # startup messages for chat (":: ...")
 
@@ -139,6 +140,7 @@ async def build_runtime(
         hooks=hooks,
         hook_failure=profile.hook_failure,
         hook_timeout=profile.hook_timeout,
+        text_tool_calls=profile.text_tool_calls,
         description=profile.description,
         notes=notes,
     )

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_RESULT = 32 * 1024
 ERROR_MARK = "[tool error] "
+BAD_ARGS_SHOWN = 200  # characters of malformed arguments quoted back to the model
 _args_decoder = msgspec.json.Decoder(dict[str, Any])
 
 
@@ -186,7 +187,7 @@ async def _run_one(rnd: Round, i: int) -> None:
     try:
         args = _args_decoder.decode(o.call.arguments or "{}")
     except msgspec.DecodeError as err:
-        o.text, o.error = f"arguments are not a JSON object: {err}", True
+        o.text, o.error = bad_arguments(name, o.call.arguments, err), True
         return
     pre = await host.hook("preTool", tool=name, args=args, call_id=o.call.id)
     if pre is not None and pre.blocked:
@@ -206,6 +207,25 @@ async def _run_one(rnd: Round, i: int) -> None:
         o.error = True
     if notes:
         o.text = "\n".join(x for x in [o.text, *notes] if x)
+
+
+def bad_arguments(name: str, arguments: str, err: msgspec.DecodeError) -> str:
+    """The tool error for arguments that are not a JSON object: what is wrong with them
+    (cut off, not JSON, JSON of another type), the start of what came, and what to do.
+    The model reads this as its call's result and can try again."""
+    if isinstance(err, msgspec.ValidationError):  # JSON, but not an object
+        problem = "the arguments must be a JSON object"
+    elif "truncated" in str(err):
+        problem = "the arguments were cut off before their end (truncated JSON)"
+    else:
+        problem = f"the arguments are not valid JSON ({err})"
+    shown = " ".join(arguments.split())
+    if len(shown) > BAD_ARGS_SHOWN:
+        shown = shown[:BAD_ARGS_SHOWN] + f"... ({len(arguments)} characters in all)"
+    return (
+        f"{problem}; received: {shown or '(nothing)'}. "
+        f"Call {name} again with all its arguments as one JSON object."
+    )
 
 
 async def _call(rnd: Round, o: Outcome, name: str, args: dict[str, Any]) -> None:

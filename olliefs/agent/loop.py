@@ -9,6 +9,10 @@ after every tool round the agent's ``ToolLink`` is refreshed: pending ``tool_loa
 ``tool_unload`` are pushed and, when toolsrv's ``agent/rev`` moved, the schemas and the
 preamble are rebuilt, so a tool loaded by the model in one round is callable in the next.
 If toolsrv cannot be reached the turn goes on (the refresh says so with an error line).
+
+Tools the provider ran itself (Anthropic's server tools) come as ``server_call`` /
+``server_result`` events of the reply: they are shown in ``chat`` like calls and
+results, and never run here.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import trio
 from olliefs.agent.cache import ReadCache
 from olliefs.agent.chat import format_seconds
 from olliefs.agent.cost import request_cost
-from olliefs.agent.dispatch import ToolHost, run_tools
+from olliefs.agent.dispatch import ToolHost, one_line_args, run_tools
 from olliefs.agent.events import EventRole
 from olliefs.agent.history import History, estimate_tokens
 from olliefs.agent.hooks import HookEvent, HookResult
@@ -258,11 +262,22 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                         usage = ev.usage
                     elif ev.kind == "done":
                         provider_data = ev.provider_data  # opaque, kept with the reply
+                    elif ev.kind == "server_call":
+                        # The provider runs it itself: shown, never run here.
+                        for c in ev.tool_calls:
+                            host.emit("call", one_line_args(c.arguments), name=c.name)
+                    elif ev.kind == "server_result":
+                        name = ev.tool_calls[0].name if ev.tool_calls else ""
+                        host.emit("tool", ev.text, name=name)
         except trio.Cancelled:
             if text or reasoning:
                 host.add_message(Message("assistant", "".join(text), "".join(reasoning)))
             raise
         except BackendError as err:
+            if usage is not None:
+                # The provider reported usage before it failed (OpenRouter sends it with
+                # an error inside a 200 stream): those tokens were billed, so they count.
+                _account_usage(host, usage)
             if not hooked:
                 # Once per request: a request sent again after a switch that fails too
                 # takes the usual way, so two hooks cannot switch back and forth forever.
@@ -370,6 +385,10 @@ def _account(host: TurnHost, reply: Message, usage: Usage | None) -> None:
             input_tokens=host.request_estimate(),
             output_tokens=estimate_tokens(reply.content + reply.reasoning),
         )
+    _account_usage(host, usage, estimated)
+
+
+def _account_usage(host: TurnHost, usage: Usage, estimated: bool = False) -> None:
     cost = request_cost(host.model, usage, host.backend().name)
     host.add_usage(usage, cost, estimated)
     host.emit("usage", msgspec.json.encode(usage).decode())

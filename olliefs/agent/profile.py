@@ -24,6 +24,8 @@ maxTokens ...      generation parameters: maxTokens temperature frequencyPenalty
 hooks              event -> command or list of commands (see `hooks`)
 hookFailure        "warn" (default) or "block": a crashing or hanging hook blocks
 hookTimeout        seconds per hook command (default 60)
+textToolCalls      false: tool calls and <think> written in a reply's text stay text
+                   (default: read, on the OpenAI-compatible and Ollama backends)
 description        one line saying what the agent is for
 =================  ==============================================================
 
@@ -99,6 +101,7 @@ class Profile(
     hooks: dict[str, str | list[str]] = msgspec.field(default_factory=dict)
     hook_failure: HookFailure = "warn"
     hook_timeout: HookTimeout = HOOK_TIMEOUT
+    text_tool_calls: bool | None = None
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into a ValidationError, so these checks report

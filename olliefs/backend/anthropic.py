@@ -27,6 +27,16 @@ What the request side has to get right:
 
 Usage: Anthropic's ``input_tokens`` excludes cache reads and cache writes; ours includes
 them (see ``Usage``), so the three are added up.
+
+Server tools: a reply may hold blocks of tools the *provider* ran itself (web search,
+web fetch, code execution; MCP connector calls): ``server_tool_use`` (its input streamed
+as ``input_json_delta`` like a ``tool_use``) and a result block (``web_search_tool_result``,
+``code_execution_tool_result`` ..., whole at its start), already answered in the stream.
+They are never tool calls of ours: each is reported as a ``server_call`` /
+``server_result`` event (shown in chat) and kept verbatim, with where it stood in the
+reply's text, in ``provider_data["anthropic"]["server"]``, so the message goes back in
+the next request as the API requires, each block in its place. Any block type this
+module does not know is treated the same way (kept, never run).
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ STREAM_TYPES = ("text/event-stream",)
 CONTEXT_LENGTH = 200000
 MIN_THINKING_BUDGET = 1024
 LARGE_TOOL_RESULT = 4096  # characters; smaller results are not worth a cache breakpoint
+SERVER_RESULT_CHARS = 500  # of a server tool result chat shows as JSON
 _EPHEMERAL = {"type": "ephemeral"}
 ANSWER_TOOL = "Give your answer: call this tool once, with the whole answer as its input."
 
@@ -134,7 +145,9 @@ class _Event(msgspec.Struct, gc=False):
     type: str = ""
     index: int = 0
     message: _Message | None = None
-    content_block: _Block | None = None
+    # Untyped: a provider's own block is kept verbatim (``content_block_start`` comes
+    # once per block, so reading it as a dict costs nothing that matters).
+    content_block: dict[str, Any] | None = None
     delta: _Delta | None = None
     usage: _Usage | None = None
     error: _Error | None = None
@@ -143,12 +156,31 @@ class _Event(msgspec.Struct, gc=False):
 _EVENT = msgspec.json.Decoder(_Event)
 
 
+# Blocks this module reads; any other is the provider's own (server tools), kept as is.
+_OWN_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
+
+
 class _Open:
     """A content block being streamed."""
 
-    __slots__ = ("data", "id", "json", "name", "signature", "thinking", "type")
+    __slots__ = (
+        "at",
+        "data",
+        "id",
+        "json",
+        "name",
+        "raw",
+        "shown",
+        "signature",
+        "thinking",
+        "type",
+    )
 
-    def __init__(self, block: _Block) -> None:
+    def __init__(self, block: _Block, raw: dict[str, Any] | None = None, at: int = 0) -> None:
+        # A provider's own block: as it came, and the characters of reply text before it.
+        self.raw = raw
+        self.at = at
+        self.shown = False
         self.type = block.type
         self.id = block.id
         self.name = block.name
@@ -175,6 +207,9 @@ class AnthropicParser:
         self._stop_reason = ""
         self._id = ""
         self._seen_start = False
+        self._chars = 0  # characters of reply text so far (where a server block stands)
+        self._server: list[_Open] = []  # the provider's own blocks, in order
+        self._server_names: dict[str, str] = {}  # server call id -> tool name
 
     def feed(self, chunk: bytes, out: list[StreamEvent]) -> None:
         self._read(self._sse.feed(chunk), out)
@@ -195,6 +230,7 @@ class AnthropicParser:
             if event.type == "content_block_delta" and (delta := event.delta) is not None:
                 if delta.type == "text_delta":
                     if delta.text and event.index in self._blocks:
+                        self._chars += len(delta.text)
                         out.append(StreamEvent("content", text=delta.text))
                     continue
             self._message(event, message.data, message.event, out)
@@ -209,6 +245,7 @@ class AnthropicParser:
                 return
             if delta.type == "text_delta":
                 if delta.text:
+                    self._chars += len(delta.text)
                     out.append(StreamEvent("content", text=delta.text))
             elif delta.type == "thinking_delta":
                 if delta.thinking:
@@ -220,13 +257,25 @@ class AnthropicParser:
             elif delta.type == "signature_delta":
                 block.signature = delta.signature
         elif kind == "content_block_start":
-            if (start := event.content_block) is None:
+            if (raw := event.content_block) is None or not isinstance(raw.get("type"), str):
+                return  # no block a request could carry back
+            if raw["type"] not in _OWN_BLOCKS:
+                self._server_block(event.index, raw)
                 return
+            try:
+                start = msgspec.convert(raw, _Block)
+            except msgspec.ValidationError as exc:
+                raise bad_payload(self._provider, data, exc, self._secrets) from exc
             self._blocks[event.index] = _Open(start)
             if start.type == "text" and start.text:
+                self._chars += len(start.text)
                 out.append(StreamEvent("content", text=start.text))
             elif start.type == "thinking" and start.thinking:
                 out.append(StreamEvent("reasoning", text=start.thinking))
+        elif kind == "content_block_stop":
+            block = self._blocks.get(event.index)
+            if block is not None and block.raw is not None:
+                self._show(block, out)
         elif kind == "message_start":
             self._seen_start = True
             if event.message is not None:
@@ -245,7 +294,37 @@ class AnthropicParser:
             self._finish(out)
         elif kind == "error":
             raise self._error(event.error, data)
-        # ping, content_block_stop and event types added later need nothing
+        # ping and event types added later need nothing
+
+    def _server_block(self, index: int, raw: dict[str, Any]) -> None:
+        """A block of the provider's own (see the module docstring): kept as it came,
+        with where it stands in the reply's text; a call's input streams in as deltas."""
+
+        def text(key: str) -> str:
+            value = raw.get(key)
+            return value if isinstance(value, str) else ""
+
+        start = _Block(text("type"), text("id"), text("name"), input=raw.get("input"))
+        block = self._blocks[index] = _Open(start, raw, self._chars)
+        self._server.append(block)
+
+    def _show(self, block: _Open, out: list[StreamEvent]) -> None:
+        """Report a provider's own block once (at its end, when its input is whole)."""
+        if block.shown or block.raw is None:
+            return
+        block.shown = True
+        if block.type.endswith("_tool_use"):  # server_tool_use, mcp_tool_use
+            self._server_names[block.id] = block.name
+            call = ToolCall(block.id, block.name, "".join(block.json) or "{}")
+            out.append(StreamEvent("server_call", tool_calls=(call,)))
+            return
+        use_id = block.raw.get("tool_use_id")
+        use_id = use_id if isinstance(use_id, str) else ""
+        name = self._server_names.get(use_id) or block.type.removesuffix("_tool_result")
+        text = f"[run by {self._provider}] {server_result_text(block.raw)}"
+        out.append(
+            StreamEvent("server_result", text=text, tool_calls=(ToolCall(use_id, name, ""),))
+        )
 
     def _error(self, error: _Error | None, data: bytes) -> BackendError:
         kind = error.type if error is not None else ""
@@ -265,10 +344,12 @@ class AnthropicParser:
                 cache_creation_tokens=created,
             )
             out.append(StreamEvent("usage", usage=usage))
+        for block in self._server:
+            self._show(block, out)  # one whose stop event never came
         calls, thinking = [], []
         for index in sorted(self._blocks):
             block = self._blocks[index]
-            if block.type in ("tool_use", "server_tool_use"):
+            if block.type == "tool_use":
                 calls.append(ToolCall(block.id, block.name, "".join(block.json) or "{}"))
             elif block.type == "thinking":
                 text = "".join(block.thinking)
@@ -280,10 +361,55 @@ class AnthropicParser:
         if calls:
             out.append(StreamEvent("tool_calls", tool_calls=tuple(calls)))
         reason = STOP_REASONS.get(self._stop_reason, self._stop_reason)
-        data = {WIRE: {"thinking": thinking}} if thinking else {}
+        own: dict[str, Any] = {}
+        if thinking:
+            own["thinking"] = thinking
+        if self._server:
+            own["server"] = [{"at": b.at, "block": _kept(b)} for b in self._server]
+        data = {WIRE: own} if own else {}
         out.append(
             StreamEvent("done", finish_reason=reason, response_id=self._id, provider_data=data)
         )
+
+
+def _kept(block: _Open) -> dict[str, Any]:
+    """A provider's own block as the next request must carry it: as it came, with a
+    call's input made whole from its deltas."""
+    assert block.raw is not None
+    kept = dict(block.raw)
+    if block.json:
+        kept["input"] = _json_object("".join(block.json))
+    return kept
+
+
+def server_result_text(block: dict[str, Any]) -> str:
+    """What a server tool's result block says, in a few lines for chat: the pages a web
+    search found, a program's output and exit status, the page fetched, an error code;
+    anything else as one line of JSON."""
+    content = block.get("content")
+    if isinstance(content, list):
+        items = [item for item in content if isinstance(item, dict)]
+        found = [
+            f"{item.get('title') or '(untitled)'} <{item['url']}>"
+            for item in items
+            if isinstance(item.get("url"), str)
+        ]
+        if found:
+            return f"{len(found)} found:\n" + "\n".join(found)
+        texts = [item["text"] for item in items if isinstance(item.get("text"), str)]
+        if texts:
+            return "\n".join(texts)
+    if isinstance(content, dict):
+        if isinstance(code := content.get("error_code"), str):
+            return f"error: {code}"
+        if "return_code" in content:
+            output = [content.get(k) for k in ("stdout", "stderr")]
+            lines = [o.rstrip("\n") for o in output if isinstance(o, str) and o.strip()]
+            return "\n".join([*lines, f"(exit status {content.get('return_code')})"])
+        if isinstance(url := content.get("url"), str):
+            return f"fetched <{url}>"
+    text = msgspec.json.encode(content).decode()
+    return text if len(text) <= SERVER_RESULT_CHARS else text[:SERVER_RESULT_CHARS] + "..."
 
 
 # ---- the request ---------------------------------------------------------------------------
@@ -301,10 +427,24 @@ def _json_object(arguments: str) -> dict[str, Any]:
 def _assistant_blocks(message: Message) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     own = message.provider_data.get(WIRE)
-    if isinstance(own, dict) and isinstance(thinking := own.get("thinking"), list):
+    if not isinstance(own, dict):
+        own = {}
+    if isinstance(thinking := own.get("thinking"), list):
         blocks += [b for b in thinking if isinstance(b, dict)]
-    if message.content:
-        blocks.append({"type": "text", "text": message.content})
+    # The provider's own blocks go back where they stood in the text, verbatim.
+    text, done = message.content, 0
+    server = own.get("server")
+    for item in server if isinstance(server, list) else ():
+        if not isinstance(item, dict) or not isinstance(block := item.get("block"), dict):
+            continue
+        at = item.get("at")
+        at = min(max(at, done), len(text)) if isinstance(at, int) else len(text)
+        if at > done:
+            blocks.append({"type": "text", "text": text[done:at]})
+            done = at
+        blocks.append(block)
+    if text[done:]:
+        blocks.append({"type": "text", "text": text[done:]})
     blocks += [
         {"type": "tool_use", "id": c.id, "name": c.name, "input": _json_object(c.arguments)}
         for c in message.tool_calls

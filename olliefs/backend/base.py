@@ -121,6 +121,10 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     ``response_schema`` asks for structured output (``ResponseSchema``); compaction is
     its only user.
+    ``text_tools``: whether tool calls and ``<think>`` reasoning that a model writes into
+    its reply's text are read as such (``texttools.py``); None is the backend's default
+    (on for the OpenAI-compatible and Ollama backends, off for Copilot's; the other wires
+    have no use for it). Not a sampling parameter, but a request's reading of its reply.
     """
 
     max_tokens: int | None = None
@@ -129,9 +133,12 @@ class GenerationParams(msgspec.Struct, frozen=True, omit_defaults=True):
     presence_penalty: float | None = None
     thinking_budget: int | None = None
     response_schema: ResponseSchema | None = None
+    text_tools: bool | None = None
 
 
-StreamKind = Literal["content", "reasoning", "tool_calls", "usage", "done"]
+StreamKind = Literal[
+    "content", "reasoning", "tool_calls", "usage", "done", "server_call", "server_result"
+]
 
 
 class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -146,6 +153,11 @@ class StreamEvent(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     * ``tool_calls``: ``tool_calls`` holds every call of the reply, complete, emitted once
       just before ``done`` (deltas are accumulated by the backend, since ids and names may
       arrive after the first argument fragments);
+    * ``server_call`` / ``server_result``: a tool the *provider* ran itself (Anthropic's
+      server tools: web search, code execution ...), already answered in the stream and
+      never to be run here: ``tool_calls`` holds the one call (its id, name and
+      arguments; for a result, its id and name), a result's ``text`` says what it gave.
+      Shown in chat; the reply's ``provider_data`` keeps the blocks for the history;
     * ``usage``: ``usage`` is set;
     * ``done``: the provider terminated the stream properly; ``finish_reason`` if known
       (``stop``, ``length``, ``tool_calls``, ``content_filter``, or the provider's own word

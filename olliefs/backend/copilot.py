@@ -15,8 +15,9 @@ do, and ollie-replay(1) lists it as unverified):
 * the model list gives context windows as ``capabilities.limits.max_prompt_tokens``.
 
 The Copilot token is exchanged on first use, again once ``refresh_in`` has passed (or
-``expires_at`` is near), and again after the API answered 401 (that request fails; the
-next one gets a fresh token). It never leaves this object and is
+``expires_at`` is near), and again after the API answered 401 (a token revoked or
+expired early): the refused chat request is then sent once more, at once, with the new
+token, so the turn goes on; a second 401 fails it. It never leaves this object and is
 redacted from every message, like the key.
 """
 
@@ -57,8 +58,14 @@ class _Token(msgspec.Struct, gc=False):
 _TOKEN = msgspec.json.Decoder(_Token)
 
 
+class _Unauthorized(BadResponseError):
+    """Copilot's API refused the token (401): it was dropped, and the next request
+    exchanges the GitHub token for a new one."""
+
+
 class CopilotBackend(OpenAIBackend):
     default_model = "gpt-4.1"
+    text_tools = False  # hosted models with tool calls of their own: text is text
 
     def __init__(
         self,
@@ -131,9 +138,14 @@ class CopilotBackend(OpenAIBackend):
     def _error(
         self, status: int, body: bytes, headers: Mapping[str, str] | None = None
     ) -> BackendError:
+        err = super()._error(status, body, headers)
         if status == 401:
             self._token = None  # expired or revoked early: exchange again next time
-        return super()._error(status, body, headers)
+            return _Unauthorized(str(err))
+        return err
+
+    def _renewed(self, err: BackendError) -> bool:
+        return isinstance(err, _Unauthorized)
 
     def forget(self) -> None:
         super().forget()

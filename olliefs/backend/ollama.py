@@ -6,6 +6,10 @@ rather than a string), and the last line has ``done: true`` with ``done_reason``
 token counts (``prompt_eval_count``, ``eval_count``). That last line may still carry
 content, which is kept. An ``{"error": ...}`` line reports a failure mid-stream.
 
+A model whose template Ollama cannot parse for tool calls (or thinking) writes them into
+the content: ``<tool_call>`` tags, a bare JSON object naming a tool, ``<think>``. Those
+are read out of it (``texttools.py``) unless ``GenerationParams.text_tools`` is False.
+
 Requests put the generation parameters under ``options`` (``num_predict``,
 ``temperature``, ``frequency_penalty``, ``presence_penalty``, ``num_ctx``); thinking is
 the ``think`` flag (a budget has no equivalent: any budget turns it on, 0 off); a
@@ -42,7 +46,7 @@ from olliefs.backend.base import (
     Usage,
     WireCache,
 )
-from olliefs.backend.openai import function_tools, parse_base_url
+from olliefs.backend.openai import content_event, function_tools, parse_base_url
 from olliefs.backend.stream import (
     HTTPBackend,
     NDJSONSplitter,
@@ -50,6 +54,7 @@ from olliefs.backend.stream import (
     decode_json,
     http_error,
 )
+from olliefs.backend.texttools import TextTools
 
 STREAM_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-seq")
 DEFAULT_CONTEXT = 4096  # what an Ollama server gives a model unless told otherwise
@@ -92,9 +97,13 @@ FINISH = {"stop": "stop", "length": "length"}
 class OllamaParser:
     """One streamed chat reply, read incrementally (see ``stream.Parser``)."""
 
-    def __init__(self, provider: str = "ollama", secrets: Secrets = None) -> None:
+    def __init__(
+        self, provider: str = "ollama", secrets: Secrets = None, text: TextTools | None = None
+    ) -> None:
         self._provider = provider
         self._secrets = secrets
+        self._text = text  # reads tool calls and <think> out of the content, if set
+        self._content = text.feed if text is not None else content_event
         self._lines = NDJSONSplitter(provider)
         self.done = False
         self._calls: list[ToolCall] = []
@@ -123,11 +132,13 @@ class OllamaParser:
             if message.thinking:
                 out.append(StreamEvent("reasoning", text=message.thinking))
             if message.content:
-                out.append(StreamEvent("content", text=message.content))
+                self._content(message.content, out)
             for call in message.tool_calls or ():
                 self._calls.append(self._call(call))
         if line.done:
             self.done = True
+            if self._text is not None:
+                self._calls += self._text.finish(out)
             if line.prompt_eval_count is not None or line.eval_count is not None:
                 usage = Usage(
                     input_tokens=line.prompt_eval_count or 0,
@@ -242,6 +253,7 @@ def context_of(show: _Show) -> int | None:
 class OllamaBackend(HTTPBackend):
     default_model = "llama3.2"
     default_context_length = DEFAULT_CONTEXT
+    text_tools = True  # see the module docstring
 
     def __init__(
         self,
@@ -290,7 +302,9 @@ class OllamaBackend(HTTPBackend):
             msgspec.json.encode(body),
             headers={"content-type": "application/json"},
         )
-        parser = OllamaParser(self.name, self._secrets)
+        reads = self.text_tools if params.text_tools is None else params.text_tools
+        text = TextTools([t.name for t in tools]) if reads else None
+        parser = OllamaParser(self.name, self._secrets, text)
         async with self._stream(request, parser, stream_types=STREAM_TYPES) as events:
             yield events
 

@@ -11,7 +11,13 @@ becomes a typed error rather than a silently shorter reply. The drift this reads
 * tool calls by ``index`` with ids and names that may come late, calls without an index
   (Gemini's compatibility endpoint sends each whole), the legacy ``function_call``;
 * usage in the last chunk (``choices: []``), OpenRouter's ``usage.cost`` in USD;
-* errors as an ``error`` object inside a 200 stream (OpenRouter) or as a 200 JSON body.
+* errors as an ``error`` object inside a 200 stream (OpenRouter) or as a 200 JSON body;
+  usage that came with such an error (or before it) is reported before the error is
+  raised, since the failed request was billed.
+
+Open models whose server does not parse their chat template write tool calls
+(``<tool_call>``, a bare JSON object) and thinking (``<think>``) into the content: those
+are read out of it (``texttools.py``) unless ``GenerationParams.text_tools`` is False.
 
 Requests to reasoning models (o1, o3, o4, gpt-5) use ``max_completion_tokens`` and leave
 out the sampling parameters those models refuse; ``thinking_budget`` becomes a
@@ -22,10 +28,11 @@ and OpenRouter take the same).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -51,6 +58,7 @@ from olliefs.backend.stream import (
     http_error,
     one_line,
 )
+from olliefs.backend.texttools import TextTools
 
 WIRE = "openai"  # the provider_data key of this wire format
 STREAM_TYPES = ("text/event-stream",)
@@ -188,6 +196,11 @@ class _PartialCall:
         )
 
 
+def content_event(text: str, out: list[StreamEvent]) -> None:
+    """A piece of the reply's text, passed on as it came."""
+    out.append(StreamEvent("content", text=text))
+
+
 class OpenAIParser:
     """One streamed chat completion, read incrementally (see ``stream.Parser``).
 
@@ -195,9 +208,13 @@ class OpenAIParser:
     complete at ``[DONE]``, so they are kept here and emitted once, just before ``done``.
     """
 
-    def __init__(self, provider: str = "openai", secrets: Secrets = None) -> None:
+    def __init__(
+        self, provider: str = "openai", secrets: Secrets = None, text: TextTools | None = None
+    ) -> None:
         self._provider = provider
         self._secrets = secrets
+        self._text = text  # reads tool calls and <think> out of the content, if set
+        self._content = text.feed if text is not None else content_event
         self._sse = SSEDecoder(provider)
         self.done = False
         self._calls: dict[int, _PartialCall] = {}
@@ -235,7 +252,7 @@ class OpenAIParser:
                     break
             text = "".join([piece.choices[0].delta.content for piece in texts])
             if text:
-                out.append(StreamEvent("content", text=text))
+                self._content(text, out)
             return
         payloads = data_payloads(head)
         if len(payloads) > 1:
@@ -286,12 +303,18 @@ class OpenAIParser:
             ):
                 if chunk.id:
                     self._response_id = chunk.id
-                out.append(StreamEvent("content", text=delta.content))
+                self._content(delta.content, out)
                 return
         self._chunk(chunk, data, out)
 
     def _chunk(self, chunk: _Chunk, data: bytes, out: list[StreamEvent]) -> None:
         if chunk.error is not None:
+            # OpenRouter bills a request that failed mid-stream and says so: the usage
+            # comes with the error (or before it), and is counted like any other.
+            if chunk.usage is not None:
+                self._usage = _usage(chunk.usage)
+            if self._usage is not None:
+                out.append(StreamEvent("usage", usage=self._usage))
             raise in_stream_error(chunk.error, data, self._provider, self._secrets)
         if chunk.id:
             self._response_id = chunk.id
@@ -305,7 +328,7 @@ class OpenAIParser:
             if reasoning := delta.reasoning_content or delta.reasoning:
                 out.append(StreamEvent("reasoning", text=reasoning))
             if delta.content:
-                out.append(StreamEvent("content", text=delta.content))
+                self._content(delta.content, out)
             if delta.tool_calls:
                 for call in delta.tool_calls:
                     self._add(call.index, call.id, call.function)
@@ -348,11 +371,14 @@ class OpenAIParser:
 
     def _finish(self, out: list[StreamEvent]) -> None:
         self.done = True
+        written = self._text.finish(out) if self._text is not None else []
         if self._usage is not None:
             out.append(StreamEvent("usage", usage=self._usage))
-        if self._calls:
+        if self._calls or written:
             calls = tuple(self._calls[i].complete() for i in sorted(self._calls))
-            out.append(StreamEvent("tool_calls", tool_calls=calls))
+            out.append(StreamEvent("tool_calls", tool_calls=(*calls, *written)))
+            if written and self._finish_reason in ("", "stop"):
+                self._finish_reason = "tool_calls"
         data: dict[str, Any] = {}
         if self._details:
             details = [self._details[i] for i in sorted(self._details)]
@@ -401,21 +427,47 @@ def in_stream_error(
 
 
 def wire_message(message: Message) -> dict[str, Any]:
+    """One message in the API's shape, and only with the fields the API defines for its
+    role: strict OpenAI-compatible gateways refuse anything else with a 400."""
     wire: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         wire["content"] = message.content or None
         wire["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json_arguments(c.arguments)},
+            }
             for c in message.tool_calls
         ]
     if message.tool_call_id:
         wire["tool_call_id"] = message.tool_call_id
-    if message.name:
+    # A tool message is role, content and tool_call_id: the API has no ``name`` there
+    # (the history keeps it for the wires that do, Ollama's and Gemini's).
+    if message.name and message.role != "tool":
         wire["name"] = message.name
     own = message.provider_data.get(WIRE)
     if isinstance(own, dict) and isinstance(details := own.get("reasoning_details"), list):
         wire["reasoning_details"] = details
     return wire
+
+
+_ARGUMENTS = msgspec.json.Decoder(dict[str, Any])
+
+
+def json_arguments(arguments: str) -> str:
+    """A call's arguments as the request must carry them: the JSON text of an object.
+
+    A model may stream arguments that are cut off or not JSON at all; the call is then
+    answered with a tool error saying so (``agent/dispatch.py``), but the call itself
+    goes back with ``{}``: vLLM, llama.cpp and Ollama parse the arguments of the calls
+    in the history, and refuse the whole request (400 or 500) when one does not parse.
+    """
+    try:
+        _ARGUMENTS.decode(arguments)
+    except msgspec.DecodeError:
+        return "{}"
+    return arguments
 
 
 def function_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
@@ -531,6 +583,9 @@ class OpenAIBackend(HTTPBackend):
     default_model = "gpt-4o-mini"
     chat_path = "chat/completions"
     models_path = "models"
+    # Open models behind compatible servers often write their tool calls and thinking
+    # into the text (texttools.py); a profile's textToolCalls turns this off.
+    text_tools = True
 
     def __init__(
         self,
@@ -569,11 +624,42 @@ class OpenAIBackend(HTTPBackend):
         wire: WireCache | None = None,
     ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         body = request_body(model, messages, tools, params, openrouter=self._openrouter, wire=wire)
-        headers = {**_JSON_HEADERS, **(await self._request_headers())}
-        request = self._post(self._url(self.chat_path), msgspec.json.encode(body), headers)
-        parser = OpenAIParser(self.name, self._secrets)
-        async with self._stream(request, parser, stream_types=STREAM_TYPES) as events:
+        content = msgspec.json.encode(body)
+        names = [t.name for t in tools] if self._reads_text(params) else None
+        async with contextlib.AsyncExitStack() as stack:
+            request = await self._chat_request(content)
+            try:
+                events = await stack.enter_async_context(self._chat(request, names))
+            except BackendError as err:
+                # Only a refusal of the request itself is renewed; an error the caller
+                # raises while reading the events does not pass here.
+                if not self._renewed(err):
+                    raise
+                request = await self._chat_request(content)
+                events = await stack.enter_async_context(self._chat(request, names))
             yield events
+
+    def _reads_text(self, params: GenerationParams) -> bool:
+        """Whether tool calls and <think> in the reply's text are read (``texttools``)."""
+        return self.text_tools if params.text_tools is None else params.text_tools
+
+    async def _chat_request(self, content: bytes) -> httpx.Request:
+        headers = {**_JSON_HEADERS, **(await self._request_headers())}
+        return self._post(self._url(self.chat_path), content, headers)
+
+    def _chat(
+        self, request: httpx.Request, tools: list[str] | None
+    ) -> AbstractAsyncContextManager[AsyncIterator[StreamEvent]]:
+        """``tools``: the names of the request's tools, to read calls written in the
+        reply's text; None: the text is not read."""
+        text = TextTools(tools) if tools is not None else None
+        parser = OpenAIParser(self.name, self._secrets, text)
+        return self._stream(request, parser, stream_types=STREAM_TYPES)
+
+    def _renewed(self, err: BackendError) -> bool:
+        """Whether the request refused with ``err`` is worth sending once more, at once,
+        because what made it fail was renewed (Copilot: its short-lived token)."""
+        return False
 
     async def _request_headers(self) -> dict[str, str]:
         """Per-request headers (Copilot adds its short-lived token here)."""

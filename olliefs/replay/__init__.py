@@ -14,11 +14,19 @@ replay-server``). ollie-replay(1) is the user's manual.
 """
 
 from olliefs.replay.cli import run_cli
-from olliefs.replay.script import Entry, EntryToolCall, EntryUsage, Recorded, parse_script
+from olliefs.replay.script import (
+    Entry,
+    EntryServerTool,
+    EntryToolCall,
+    EntryUsage,
+    Recorded,
+    parse_script,
+)
 from olliefs.replay.server import ReplayServer
 
 __all__ = [
     "Entry",
+    "EntryServerTool",
     "EntryToolCall",
     "EntryUsage",
     "Recorded",

@@ -30,6 +30,21 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
     wire-specific ``<prefix>_<n>_<i>`` (Gemini and Ollama send none unless given),
     ``arguments`` to ``{}``. Streamed after the reply; where the wire streams arguments in
     fragments (OpenAI, Anthropic, Kiro) they come ``chunk`` characters at a time.
+``server_tools``
+    Anthropic wire only: ``[{"name", "arguments", "id", "result", "result_type",
+    "after"}]``, tools the provider ran itself: each a ``server_tool_use`` block (its
+    input streamed as ``input_json_delta``, id default ``srvtoolu_<n>_<i>``) and its
+    result block, ``result_type`` (default ``<name>_tool_result``) with ``result`` as its
+    ``content`` (default ``[]``), placed after ``after`` characters of the reply (the text
+    around them comes as separate text blocks, as the API sends it).
+``in_text``
+    ``"tags"`` or ``"json"``: the reasoning and the tool calls are written into the
+    reply's text, as open models do when their server does not parse their template
+    (every wire streams them as text): ``<think>REASONING</think>`` and a blank line
+    first, then the reply, then each call on a line of its own, as ``<tool_call>{"name":
+    ..., "arguments": ...}</tool_call>`` (``"tags"``) or as that bare JSON object
+    (``"json"``); arguments given as a string are written as they are (malformed ones
+    stay malformed).
 ``late_ids``
     OpenAI wire: each call's argument fragments come first, without id or name; a later
     delta carries them.
@@ -59,7 +74,8 @@ Fields (each wire format renders them in its own shape, see ``wire/``):
     "context_length_exceeded"``. Defaults follow each provider's own choice for the status.
 ``in_stream``
     With ``status``: answer 200, stream the deltas (up to ``drop_after``), then report the
-    error inside the stream the way the wire does (OpenAI/OpenRouter an ``error`` chunk,
+    error inside the stream the way the wire does (OpenAI/OpenRouter an ``error`` chunk
+    beside a choice finished with ``"error"``, with the entry's ``usage`` when it has one,
     Anthropic an ``error`` event, Gemini an ``error`` object, Ollama an ``error`` line, Kiro
     an exception frame), and end the body without the wire's terminator.
 ``body``
@@ -124,6 +140,11 @@ Faults that act on the bytes of any answer, whatever its shape (fault tests and
 ``silent``
     Read the request and answer nothing at all, not even a status line, until the client
     goes away or the server stops (a server that accepted and hung).
+``revoke_token``
+    The short-lived token the request carries (one this server minted for Copilot or
+    Kiro) is revoked, and the request answered 401 in the wire's error shape: a token
+    that expired or was revoked before its time. Later requests with it are refused as
+    any unknown token is; a new exchange (or refresh) gets one that works.
 
 When the script runs out the server is in echo mode: it replies ``echo: <text of the last
 user message>``, so it is useful with no script at all. With ``then="error"`` it answers
@@ -156,6 +177,17 @@ class EntryToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return args if isinstance(args, str) else msgspec.json.encode(args).decode()
 
 
+class EntryServerTool(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A tool the provider ran itself, already answered (Anthropic's server tools)."""
+
+    name: str = "web_search"
+    arguments: dict[str, Any] = {}
+    id: str | None = None
+    result: Any = None  # the result block's ``content``; None: no results (``[]``)
+    result_type: str | None = None  # default ``<name>_tool_result``
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0  # characters of ``reply`` before it
+
+
 class EntryUsage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Token counts to report; ``None`` fields get the character-based defaults."""
 
@@ -174,6 +206,8 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
     signature: str | None = None
     tool_calls: tuple[EntryToolCall, ...] = ()
+    server_tools: tuple[EntryServerTool, ...] = ()
+    in_text: Literal["tags", "json"] | None = None
     late_ids: bool = False
     chunk: Annotated[int, msgspec.Meta(ge=1)] = 4
     delay: NonNegative = 0.0
@@ -205,6 +239,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     byte_delay: NonNegative = 0.0
     silent: bool = False
     refuse_schema: bool = False
+    revoke_token: bool = False
 
 
 SCHEMA_REFUSED = "structured output is not supported for this model"
@@ -272,6 +307,12 @@ class Script:
             if not self._recorded_more.wait_for(lambda: cond(self._recorded), timeout):
                 raise AssertionError(f"the requests never came: {len(self._recorded)} so far")
             return list(self._recorded)
+
+    def record(self, recorded: Recorded) -> None:
+        """Record a request that takes no entry (one the server refused as it came)."""
+        with self._lock:
+            self._recorded.append(recorded)
+            self._recorded_more.notify_all()
 
     def take(self, recorded: Recorded, user_text: str, model: str = "") -> tuple[int, Entry]:
         """Record a request and pick its answer: the next entry for ``model`` (one without

@@ -373,6 +373,9 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {k.lower(): v for k, v in self.headers.items()}
         model = wire.model(request, path_model) or self.replay.models[0]
         recorded = Recorded(wire.name, self.path, headers, request, model, wire.schema(request))
+        if (why := wire.refusal(request)) is not None:
+            self.replay.script.record(recorded)
+            return self._fail(wire, 400, why)
         n, entry = self.replay.script.take(recorded, wire.user_text(request), model)
         answer = Answer(n, entry, model, wire.prompt_chars(request))
         self._faults = entry
@@ -420,6 +423,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if entry.silent:
             return self._hang()
+        if entry.revoke_token:
+            self.replay.revoke(self._bearer() or "")
+            return self._fail(wire, 401, "unauthorized: token expired")
         headers = [
             (name, str(value))
             for name, value in (
@@ -712,6 +718,12 @@ class ReplayServer:
             token = f"{kind}-replay-token-{next(self._token_counter)}"
             self._tokens[kind].add(token)
         return token
+
+    def revoke(self, token: str) -> None:
+        """Stop accepting a token this server minted (``revoke_token``)."""
+        with self._lock:
+            for tokens in self._tokens.values():
+                tokens.discard(token)
 
     def minted(self, kind: str) -> set[str]:
         with self._lock:

@@ -837,6 +837,7 @@ class Session:
         self.agent.hook_failure = rt.hook_failure
         self.agent.hook_timeout = rt.hook_timeout
         self.agent.compaction_model = rt.compaction_model
+        self.agent.text_tool_calls = rt.text_tool_calls
 
     async def ready(self) -> None:
         """Build the profile's runtime now if it was not yet (once, whoever asks first).

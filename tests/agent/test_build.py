@@ -41,6 +41,7 @@ async def test_coding_profile(tmp_path: Path) -> None:
     assert rt.max_steps == 100
     assert rt.backend is None and rt.model is None
     assert rt.hooks == {} and rt.hook_failure == "warn" and rt.hook_timeout == 60
+    assert rt.text_tool_calls is None  # the backend's default
     # The user's prompt file of the same name wins.
     (user_prompts / "coding.md").write_text("my own coding rules")
     rt = await build_runtime(
@@ -77,7 +78,7 @@ async def test_every_key_reaches_the_runtime(tmp_path: Path) -> None:
         "maxTokens": 500, "temperature": 0.5, "frequencyPenalty": 0.1, "presencePenalty": -0.1,
         "thinkingBudget": 4096,
         "hooks": {"preTool": "guard.sh", "postTurn": ["a", "b"], "turnError": []},
-        "hookFailure": "block", "hookTimeout": 5
+        "hookFailure": "block", "hookTimeout": 5, "textToolCalls": false
         }""",
         type=Profile,
     )
@@ -99,6 +100,7 @@ async def test_every_key_reaches_the_runtime(tmp_path: Path) -> None:
     assert rt.hooks == {"preTool": ["guard.sh"], "postTurn": ["a", "b"]}
     assert rt.hook_commands("turnError") == []
     assert (rt.hook_failure, rt.hook_timeout) == ("block", 5.0)
+    assert rt.text_tool_calls is False
     assert rt.notes == []
 
 

@@ -8,15 +8,18 @@ before comparing: that is the check that our backend adds them up.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import anthropic
 import httpx
 import msgspec
 import pytest
+from anthropic.types import ContentBlock, ContentBlockParam
+from pydantic import TypeAdapter
 
-from olliefs.backend.anthropic import ERROR_STATUS, STOP_REASONS
-from olliefs.replay import Entry, EntryToolCall, EntryUsage, ReplayServer
+from olliefs.backend.anthropic import ERROR_STATUS, STOP_REASONS, request_body
+from olliefs.backend.base import GenerationParams, Message, ToolCall
+from olliefs.replay import Entry, EntryServerTool, EntryToolCall, EntryUsage, ReplayServer
 from tests.contract.harness import (
     HTTP_DATE_AHEAD,
     KEY,
@@ -76,6 +79,8 @@ def sdk(server: ReplayServer, entry: Entry) -> Outcome:
             thinking.append({"type": "redacted_thinking", "data": block.data})
         elif block.type == "tool_use":
             out.calls.append((block.id, block.name, block.input))
+        else:  # the provider's own blocks (server tools), as the SDK keeps them
+            out.extra.setdefault("server", []).append(block.to_dict())
     u = message.usage
     cached, created = u.cache_read_input_tokens or 0, u.cache_creation_input_tokens or 0
     out.usage = (u.input_tokens + cached + created, u.output_tokens, cached, created)
@@ -217,3 +222,90 @@ async def test_the_replay_servers_own_rendering_reads_alike(
     assert not mine.error, mine.extra
     assert mine.essentials() == theirs.essentials()
     assert mine.extra.get("anthropic") == theirs.extra.get("anthropic")
+
+
+BLOCK_PARAMS = {
+    get_args(get_type_hints(cls)["type"])[0]: cls for cls in get_args(ContentBlockParam)
+}
+FOUND = {
+    "type": "web_search_result",
+    "title": "Paris - Wikipedia",
+    "url": "https://en.wikipedia.org/wiki/Paris",
+    "encrypted_content": "EqgfCioIARgBIiQ3YTAwMjY1Mi1mZjM5LTQ1NGUtODgxNC1kNjNjNTk1ZWI3Y",
+    "page_age": "2 days ago",
+}
+SERVER_TOOLS = Entry(
+    reply="Let me look that up. It is Paris.",
+    server_tools=(
+        EntryServerTool(
+            name="web_search",
+            arguments={"query": "capital of France"},
+            id="srvtoolu_01WYG3ziw53XMcoyKL4XcZmE",
+            result=[FOUND],
+            after=len("Let me look that up."),
+        ),
+        EntryServerTool(
+            name="code_execution",
+            arguments={"code": "print(2 + 2)"},
+            id="srvtoolu_02",
+            result={
+                "type": "code_execution_result",
+                "stdout": "4\n",
+                "stderr": "",
+                "return_code": 0,
+                "content": [],
+            },
+            after=len("Let me look that up."),
+        ),
+    ),
+    tool_calls=(EntryToolCall(name="get_weather", arguments={"city": "Paris"}, id="toolu_a"),),
+    usage=EntryUsage(prompt_tokens=50, completion_tokens=20),
+    chunk=6,
+)
+
+
+async def test_server_tools_read_alike_and_go_back_as_the_api_takes_them(
+    server: ReplayServer,
+) -> None:
+    """Blocks of tools the provider ran (web search, code execution): the SDK reads
+    them as ServerToolUseBlock and result blocks, we read no tool call of ours from
+    them; the blocks we keep are the SDK's, and the message we send back with them
+    validates as the SDK's MessageParam, each block where it stood."""
+    theirs, mine = sdk(server, SERVER_TOOLS), await ours(server, "anthropic", SERVER_TOOLS)
+    assert not mine.error, mine.extra
+    assert mine.essentials() == theirs.essentials()
+    assert [c[1] for c in mine.calls] == ["get_weather"]
+    kept = [item["block"] for item in mine.extra["anthropic"]["server"]]
+    assert [b["type"] for b in kept] == [
+        "server_tool_use",
+        "web_search_tool_result",
+        "server_tool_use",
+        "code_execution_tool_result",
+    ]
+    assert kept == [
+        {k: v for k, v in block.items() if v is not None} for block in theirs.extra["server"]
+    ]
+    reply = Message(
+        "assistant",
+        mine.text,
+        tool_calls=(ToolCall("toolu_a", "get_weather", '{"city": "Paris"}'),),
+        provider_data={"anthropic": mine.extra["anthropic"]},
+    )
+    history = [Message("user", "capital?"), reply, Message("tool", "sunny", tool_call_id="toolu_a")]
+    body = request_body("claude-sonnet-4-5", history, [], GenerationParams())
+    blocks = body["messages"][1]["content"]
+    for block in blocks:
+        # the fields of the SDK's request type for the block, and (their nested values
+        # too) valid as the SDK's block model
+        assert set(block) <= set(get_type_hints(BLOCK_PARAMS[block["type"]])), block
+        TypeAdapter(ContentBlock).validate_python(block)
+    assert [b["type"] for b in blocks] == [
+        "text",
+        "server_tool_use",
+        "web_search_tool_result",
+        "server_tool_use",
+        "code_execution_tool_result",
+        "text",
+        "tool_use",
+    ]
+    assert blocks[0]["text"] + blocks[5]["text"] == mine.text

@@ -8,6 +8,7 @@ the difference.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -15,8 +16,20 @@ import msgspec
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import (
+    ChatCompletionAssistantMessageParam,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionSystemMessageParam,
+    ChatCompletionToolMessageParam,
+    ChatCompletionToolParam,
+    ChatCompletionUserMessageParam,
+)
+from pydantic import TypeAdapter
 
+from olliefs.backend.base import GenerationParams, Message, Tool, ToolCall
 from olliefs.backend.copilot import EDITOR_HEADERS
+from olliefs.backend.openai import request_body
 from olliefs.replay import Entry, EntryToolCall, EntryUsage, ReplayServer
 from tests.contract.harness import (
     HTTP_DATE_AHEAD,
@@ -286,3 +299,56 @@ async def test_copilot_wire_reads_alike(server: ReplayServer) -> None:
         assert mine.essentials() == theirs.essentials()
     copilot_requests = [r for r in server.recorded if r.headers.get("copilot-integration-id")]
     assert len(copilot_requests) == 4
+
+
+# ---- what we send ----------------------------------------------------------------------
+
+
+def test_every_message_we_send_has_only_the_fields_the_sdk_defines() -> None:
+    """Each message of a request (every role, a call with arguments that came cut off)
+    uses only the fields of the SDK's type for its role, and validates as one: strict
+    OpenAI-compatible gateways refuse anything else with a 400 (a ``name`` on a tool
+    message, most often)."""
+    history = [
+        Message("system", "be brief"),
+        Message("user", "list files"),
+        Message(
+            "assistant",
+            "",
+            tool_calls=(ToolCall("c1", "ls", '{"path": "."}'), ToolCall("c2", "ls", '{"pa')),
+        ),
+        Message("tool", "a.txt", tool_call_id="c1", name="ls"),
+        Message("tool", "[tool error] cut off", tool_call_id="c2", name="ls"),
+        Message("assistant", "done"),
+    ]
+    tool = Tool("ls", "list a directory", {"type": "object", "properties": {}})
+    body = request_body("gpt-4o", history, [tool], GenerationParams())
+    types: dict[str, Any] = {
+        "system": ChatCompletionSystemMessageParam,
+        "user": ChatCompletionUserMessageParam,
+        "assistant": ChatCompletionAssistantMessageParam,
+        "tool": ChatCompletionToolMessageParam,
+    }
+    for message in body["messages"]:
+        defined = types[message["role"]]
+        assert set(message) <= defined.__required_keys__ | defined.__optional_keys__, message
+        for call in message.get("tool_calls", ()):
+            fields = ChatCompletionMessageFunctionToolCallParam
+            assert set(call) <= fields.__required_keys__ | fields.__optional_keys__
+            assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    TypeAdapter(list[ChatCompletionMessageParam]).validate_python(body["messages"])
+    TypeAdapter(list[ChatCompletionToolParam]).validate_python(body["tools"])
+
+
+async def test_the_sdk_reads_the_in_stream_error_with_usage(server: ReplayServer) -> None:
+    """OpenRouter's shape of an error inside a 200 stream, usage included: the SDK sees
+    the error as we do."""
+    entry = Entry(
+        reply="partial",
+        status=502,
+        in_stream=True,
+        usage=EntryUsage(prompt_tokens=40, completion_tokens=3, cost=0.001),
+    )
+    theirs, mine = sdk(server, entry), await ours(server, "openai", entry)
+    assert theirs.error == mine.error == "transient"
+    assert mine.usage == (40, 3, 0, 0) and mine.extra["cost"] == 0.001

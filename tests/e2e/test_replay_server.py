@@ -30,6 +30,7 @@ from olliefs.testing import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 30.0  # generous bound on every blocking step, so a bug fails instead of hanging
 USER = [{"role": "user", "content": "hello there"}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
 
 Serve = Callable[..., ReplayServer]
 
@@ -365,6 +366,50 @@ def test_error_statuses_and_headers(serve: Serve, client: httpx.Client) -> None:
     assert (r.status_code, r.text) == (502, "<html>bad gateway</html>")
     # error answers keep the connection usable
     assert content(stream(client, server, {})) == "recovered"
+
+
+@pytest.mark.parametrize(
+    ("messages", "why"),
+    [
+        (
+            [
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "content": "a", "tool_call_id": "c1", "name": "ls"},
+            ],
+            "messages[2].name: Extra inputs are not permitted",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "ls", "arguments": '{"a'}}],
+                }
+            ],
+            "messages[1].tool_calls[0].function.arguments: not valid JSON",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "ls", "arguments": "[]"}}],
+                }
+            ],
+            "messages[1].tool_calls[0].function.arguments: must be a JSON object",
+        ),
+    ],
+    ids=["name on a tool message", "arguments not JSON", "arguments not an object"],
+)
+def test_a_strict_server_refuses_what_the_api_does_not_define(
+    serve: Serve, client: httpx.Client, messages: list[dict[str, Any]], why: str
+) -> None:
+    """As strict OpenAI-compatible servers do: a 400 that names the field; the request
+    is recorded and the script entry is left for the next one."""
+    server = serve([Entry(reply="next")])
+    body = {"model": "m", "messages": [*USER, *messages], "stream": True}
+    r = client.post(f"{server.url}/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(why), r.text
+    assert server.requests == [body]
+    assert content(stream(client, server, {})) == "next"
 
 
 def test_drop_after_raw_socket(serve: Serve) -> None:

@@ -154,7 +154,18 @@ def test_unknown_tool_and_bad_arguments(daemon: Daemon) -> None:
     msgs = tool_messages(daemon, 1)
     assert [m["tool_call_id"] for m in msgs] == ["c1", "c2"]
     assert msgs[0]["content"].startswith("[tool error] unknown tool 'file_read': not loaded")
-    assert msgs[1]["content"].startswith("[tool error] arguments are not a JSON object")
+    assert msgs[1]["content"] == (
+        "[tool error] the arguments are not valid JSON (JSON is malformed: object keys "
+        "must be strings (byte 1)); received: {not json. Call client_9p again with all its "
+        "arguments as one JSON object."
+    )
+    # The call goes back with arguments that parse (the replay server, like vLLM or
+    # Ollama, refuses a request whose history holds a call with unparseable ones).
+    [assistant] = [m for m in daemon.replay.requests[1]["messages"] if m.get("tool_calls")]
+    assert [c["function"]["arguments"] for c in assistant["tool_calls"]] == [
+        '{"path":"x"}',
+        "{}",
+    ]
 
 
 RENDEZVOUS = """#!/bin/bash

@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from olliefs.backend.anthropic import AnthropicBackend, AnthropicParser
+from olliefs.backend.anthropic import AnthropicBackend, AnthropicParser, server_result_text
 from olliefs.backend.anthropic import request_body as anthropic_body
 from olliefs.backend.base import (
     Backend,
@@ -232,6 +232,117 @@ def test_anthropic_usage_counts_cache_in_input_and_later_totals_win() -> None:
     ]
 
 
+def server_tool_stream() -> list[bytes]:
+    """Text, a web search the provider ran (its input in two deltas, its result whole at
+    its start), more text, then a tool call of ours."""
+    search = {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}
+    found = [
+        {
+            "type": "web_search_result",
+            "title": "Paris",
+            "url": "https://example.org/paris",
+            "encrypted_content": "EqgfCioIARgBIiQ3",
+            "page_age": None,
+        }
+    ]
+    result = {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": found}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {}}
+
+    def delta(index: int, **fields: Any) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": index, "delta": fields}
+
+    def block(index: int, start: dict[str, Any], *deltas: dict[str, Any]) -> list[dict[str, Any]]:
+        begin = {"type": "content_block_start", "index": index, "content_block": start}
+        return [begin, *deltas, {"type": "content_block_stop", "index": index}]
+
+    return anthropic_events(
+        {"type": "message_start", "message": {"id": "m"}},
+        *block(0, {"type": "text", "text": ""}, delta(0, type="text_delta", text="Looking.")),
+        *block(
+            1,
+            search,
+            delta(1, type="input_json_delta", partial_json='{"query": '),
+            delta(1, type="input_json_delta", partial_json='"capital of France"}'),
+        ),
+        *block(2, result),
+        *block(3, {"type": "text", "text": ""}, delta(3, type="text_delta", text="Paris.")),
+        *block(4, call, delta(4, type="input_json_delta", partial_json='{"path": "."}')),
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}},
+        {"type": "message_stop"},
+    )
+
+
+def test_anthropic_server_tools_are_shown_and_kept_never_called() -> None:
+    """A tool the provider ran itself is no tool call of ours: it is reported (for chat)
+    and kept verbatim, where it stood in the text, for the next request."""
+    events = parse_all(AnthropicParser(), server_tool_stream())
+    assert [e.kind for e in events] == [
+        "content",
+        "server_call",
+        "server_result",
+        "content",
+        "usage",
+        "tool_calls",
+        "done",
+    ]
+    [call] = events[1].tool_calls
+    assert (call.id, call.name, json.loads(call.arguments)) == (
+        "srvtoolu_1",
+        "web_search",
+        {"query": "capital of France"},
+    )
+    assert events[2].tool_calls == (ToolCall("srvtoolu_1", "web_search", ""),)
+    assert events[2].text == ("[run by anthropic] 1 found:\nParis <https://example.org/paris>")
+    assert events[5].tool_calls == (ToolCall("toolu_1", "ls", '{"path": "."}'),)
+    done = events[-1]
+    reply = Message(
+        "assistant",
+        "Looking.Paris.",
+        tool_calls=events[5].tool_calls,
+        provider_data=done.provider_data,
+    )
+    body = anthropic_body("claude-x", [Message("user", "go"), reply], [TOOL], GenerationParams())
+    blocks = body["messages"][1]["content"]
+    assert [b["type"] for b in blocks] == [
+        "text",
+        "server_tool_use",
+        "web_search_tool_result",
+        "text",
+        "tool_use",
+    ]
+    assert blocks[0]["text"] == "Looking." and blocks[3]["text"] == "Paris."
+    assert blocks[1] == {
+        "type": "server_tool_use",
+        "id": "srvtoolu_1",
+        "name": "web_search",
+        "input": {"query": "capital of France"},
+    }
+    assert blocks[2]["content"][0]["encrypted_content"] == "EqgfCioIARgBIiQ3"  # verbatim
+
+
+@pytest.mark.parametrize(
+    ("content", "shown"),
+    [
+        (
+            {"type": "web_search_tool_result_error", "error_code": "max_uses_exceeded"},
+            "error: max_uses_exceeded",
+        ),
+        (
+            {"type": "code_execution_result", "stdout": "4\n", "stderr": "", "return_code": 0},
+            "4\n(exit status 0)",
+        ),
+        (
+            {"type": "web_fetch_result", "url": "https://example.org/"},
+            "fetched <https://example.org/>",
+        ),
+        ([{"type": "text", "text": "from the MCP server"}], "from the MCP server"),
+        ({"type": "future_result", "n": 1}, '{"type":"future_result","n":1}'),
+    ],
+)
+def test_anthropic_server_tool_results_in_a_few_words(content: Any, shown: str) -> None:
+    assert server_result_text({"type": "x_tool_result", "content": content}) == shown
+
+
 def test_anthropic_signature_delta_replaces() -> None:
     events = anthropic_events(
         {"type": "message_start", "message": {"id": "m"}},
@@ -348,6 +459,36 @@ def test_ollama_done_line_content_is_kept_and_string_arguments_pass() -> None:
     [calls] = [e.tool_calls for e in events if e.kind == "tool_calls"]
     assert (calls[0].name, calls[0].arguments) == ("f", '{"x": 1}')
     assert events[-1].finish_reason == "tool_calls"
+
+
+async def test_ollama_reads_a_call_and_thinking_written_in_the_text() -> None:
+    """A model whose template Ollama does not parse writes both into the content (a
+    bare JSON call here, Llama 3's "parameters"); the backend reads them unless the
+    request's parameters say not to."""
+    pieces = ["<think>", "the dir</think>\n", '{"name": "ls", ', '"parameters": {"path": "."}}']
+    lines = [
+        json.dumps({"message": {"content": p}, "done": False}).encode() + b"\n" for p in pieces
+    ]
+    lines.append(b'{"message": {"content": ""}, "done": true, "done_reason": "stop"}\n')
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, headers={"content-type": "application/x-ndjson"}, content=b"".join(lines)
+        )
+
+    for params, read in ((GenerationParams(), True), (GenerationParams(text_tools=False), False)):
+        backend = OllamaBackend("ollama", "http://h", transport=httpx.MockTransport(handler))
+        async with backend.stream("m", HISTORY, [TOOL], params) as stream:
+            events = [e async for e in stream]
+        await backend.aclose()
+        calls = [c for e in events if e.kind == "tool_calls" for c in e.tool_calls]
+        content = "".join(e.text for e in events if e.kind == "content")
+        if read:
+            assert [(c.name, json.loads(c.arguments)) for c in calls] == [("ls", {"path": "."})]
+            assert content == "" and events[-1].finish_reason == "tool_calls"
+            assert "".join(e.text for e in events if e.kind == "reasoning") == "the dir"
+        else:
+            assert not calls and content == "".join(pieces)
 
 
 def test_ollama_context_from_show() -> None:
@@ -601,6 +742,7 @@ class FakeGitHub:
         self.exchanges = 0
         self.requests: list[httpx.Request] = []
         self.chat_status = 200
+        self.revoked: set[str] = set()  # Copilot tokens the API refuses (401)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
@@ -614,9 +756,12 @@ class FakeGitHub:
                 "endpoints": {"api": "https://api.business.githubcopilot.com"},
             }
             return httpx.Response(200, json=reply)
-        if self.chat_status != 200:
+        status = self.chat_status
+        if request.headers["authorization"].removeprefix("Bearer ") in self.revoked:
+            status = 401
+        if status != 200:
             return httpx.Response(
-                self.chat_status,
+                status,
                 json={"error": {"message": f"token {request.headers['authorization']} expired"}},
             )
         body = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n'
@@ -640,14 +785,23 @@ async def test_copilot_token_exchange_refresh_and_headers() -> None:
     now[0] += 1500  # refresh_in less a minute has passed
     await drain(backend)
     assert github.exchanges == 2
+    # A token revoked before its time: the 401 renews it and the request goes again,
+    # so the turn goes on.
+    github.revoked.add("tid=copilot-2")
+    assert [e.text for e in await drain(backend) if e.kind == "content"] == ["hi"]
+    assert github.exchanges == 3
+    chats = [r.headers["authorization"] for r in github.requests if r.url.host != "api.github.com"]
+    assert chats[-2:] == ["Bearer tid=copilot-2", "Bearer tid=copilot-3"]
+    # Refused again with the new token: one renewal only, then the error.
     github.chat_status = 401
     with pytest.raises(BadResponseError) as caught:
         await drain(backend)
+    assert github.exchanges == 4
     assert "tid=copilot" not in str(caught.value) and "***" in str(caught.value)
     assert str(caught.value).startswith("copilot: HTTP 401")
     github.chat_status = 200
     await drain(backend)  # the 401 dropped the token: exchanged again
-    assert github.exchanges == 3
+    assert github.exchanges == 5
     await backend.aclose()
 
 

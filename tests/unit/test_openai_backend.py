@@ -35,9 +35,11 @@ from olliefs.backend.base import (
     TransientError,
     Usage,
 )
+from olliefs.backend.copilot import CopilotBackend
 from olliefs.backend.openai import OpenAIBackend, OpenAIParser, normalize_base_url
 from olliefs.backend.pool import backend_names, make_backend
 from olliefs.backend.stream import SSEDecoder, coalesce
+from olliefs.backend.texttools import TextTools
 
 KEY = "sk-test-0123456789abcdef"
 USER = [Message("user", "hi")]
@@ -343,6 +345,28 @@ async def test_error_object_in_stream(error: dict[str, Any], expected: type[Back
     assert error["message"] in str(caught.value)
 
 
+@pytest.mark.parametrize("usage_first", [False, True], ids=["with the error", "before it"])
+def test_usage_of_a_failed_stream_comes_before_the_error(usage_first: bool) -> None:
+    """OpenRouter bills a request that fails mid-stream and reports its usage with the
+    error (or in a chunk before it): the usage event is out before the error is raised."""
+    usage = {"prompt_tokens": 40, "completion_tokens": 3, "cost": 0.001}
+    error = {
+        "id": "x",
+        "error": {"code": "server_error", "message": "Provider disconnected unexpectedly"},
+        "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}],
+    }
+    chunks: list[dict[str, Any] | str] = [delta(content="par")]
+    if usage_first:
+        chunks.append({"id": "x", "choices": [], "usage": usage})
+    else:
+        error["usage"] = usage
+    parser, out = OpenAIParser(), list[StreamEvent]()
+    with pytest.raises(BadResponseError, match="Provider disconnected"):
+        parser.feed(sse(*chunks, error, done=False), out)
+    assert [e.kind for e in out] == ["content", "usage"]
+    assert out[1].usage == Usage(input_tokens=40, output_tokens=3, cost=0.001)
+
+
 async def test_error_string_in_stream() -> None:
     with pytest.raises(BadResponseError, match="stream error: went wrong"):
         await events_of(reply(sse({"error": "went wrong"})))
@@ -461,7 +485,7 @@ async def test_request_body_shape() -> None:
                     {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
                 ],
             },
-            {"role": "tool", "content": "a.txt", "tool_call_id": "c1", "name": "ls"},
+            {"role": "tool", "content": "a.txt", "tool_call_id": "c1"},
             {"role": "assistant", "content": "done"},
         ],
         "tools": [
@@ -475,6 +499,23 @@ async def test_request_body_shape() -> None:
             }
         ],
     }
+
+
+async def test_malformed_arguments_go_back_as_an_empty_object() -> None:
+    """A call whose arguments came cut off or not as JSON is answered with a tool error;
+    the call itself goes back with ``{}``, since servers that parse the history's
+    arguments (vLLM, llama.cpp, Ollama) refuse the whole request otherwise."""
+    calls = (
+        ToolCall("c1", "ls", '{"path": "sr'),
+        ToolCall("c2", "ls", "not json"),
+        ToolCall("c3", "ls", "[1, 2]"),
+        ToolCall("c4", "ls", '{"path": "."}'),
+    )
+    history = [Message("user", "go"), Message("assistant", "", tool_calls=calls)]
+    request = await request_of(history)
+    [assistant] = [m for m in json.loads(request.content)["messages"] if m["role"] == "assistant"]
+    sent = [c["function"]["arguments"] for c in assistant["tool_calls"]]
+    assert sent == ["{}", "{}", "{}", '{"path": "."}']
 
 
 async def test_no_tools_and_no_params_are_not_sent() -> None:
@@ -779,3 +820,78 @@ def test_batched_payloads_read_as_one_at_a_time(
     the payload-by-payload path, however the bytes are split into reads."""
     body = sse(*items, done=done)
     assert _outcome(body, cuts, False) == _outcome(body, cuts, True)
+
+
+# --- tool calls and thinking written in the text ---------------------------------------------
+
+LS = Tool("ls", "list a directory", {"type": "object", "properties": {}})
+WRITTEN = sse(
+    delta(content="<thi"),
+    delta(content="nk>look first</think>\n\nOn it.\n<tool_"),
+    delta(content='call>{"name": "ls", "arguments": {"path": "."}}</tool_call>'),
+    finish("stop"),
+)
+
+
+async def stream_of(backend: OpenAIBackend, params: GenerationParams) -> list[StreamEvent]:
+    try:
+        async with backend.stream("m", USER, [LS], params) as events:
+            return [event async for event in events]
+    finally:
+        await backend.aclose()
+
+
+async def test_tool_calls_and_think_written_in_the_text_are_read() -> None:
+    """Open models behind compatible servers write both into the content; the tags may
+    be cut anywhere between deltas."""
+    events = await stream_of(make(reply(WRITTEN)), NO_PARAMS)
+    assert texts(events, "reasoning") == "look first"
+    assert texts(events, "content") == "On it.\n"
+    [calls] = [e.tool_calls for e in events if e.kind == "tool_calls"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("ls", {"path": "."})]
+    assert calls[0].id.startswith("call_")
+    assert events[-1].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("backend", "params"),
+    [
+        (lambda h: make(h), GenerationParams(text_tools=False)),  # a profile turned it off
+        (  # Copilot serves hosted models with tool calls of their own: off by default
+            lambda h: CopilotBackend(
+                "copilot", "gho_x", api_url="http://h", transport=httpx.MockTransport(h)
+            ),
+            NO_PARAMS,
+        ),
+    ],
+    ids=["textToolCalls false", "copilot"],
+)
+async def test_text_stays_text_when_not_read(
+    backend: Callable[[Handler], OpenAIBackend], params: GenerationParams
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/token"):
+            return httpx.Response(200, json={"token": "t", "refresh_in": 1500})
+        return reply(WRITTEN)(request)
+
+    events = await stream_of(backend(handler), params)
+    assert texts(events, "content") == (
+        '<think>look first</think>\n\nOn it.\n<tool_call>{"name": "ls", "arguments": '
+        '{"path": "."}}</tool_call>'
+    )
+    assert not [e for e in events if e.kind in ("tool_calls", "reasoning")]
+
+
+def test_plain_text_keeps_one_event_per_read() -> None:
+    """Reading the text costs the fast path nothing: a read of many text payloads is
+    still one content event, the same as with nothing read out of the text."""
+    plain = [sse(*(delta(content=f"word {i}, {{x}} ") for i in range(50)), done=False)] * 3
+    for text in (None, TextTools(["ls"])):
+        parser = OpenAIParser(text=text)
+        parser.feed(plain[0], [])  # (the first read of a stream takes the general path)
+        for read in plain[1:]:
+            out = list[StreamEvent]()
+            parser.feed(read, out)
+            assert out == [
+                StreamEvent("content", text="".join(f"word {i}, {{x}} " for i in range(50)))
+            ]

@@ -98,6 +98,7 @@ def test_every_key_round_trips() -> None:
         "hooks": {"preTool": "true", "postTurn": ["a", "b"]},
         "hookFailure": "block",
         "hookTimeout": 2.5,
+        "textToolCalls": False,
     }
     assert sorted(doc) == sorted(KEYS)
     v = check_complete(json.dumps(doc).encode())
@@ -147,6 +148,8 @@ def test_empty_object_is_a_valid_profile_with_defaults() -> None:
         ({"model": "a\nb"}, "model: not a valid name"),
         ({"compactionModel": ""}, "compactionModel: not a valid name"),
         ({"description": None}, "description: Expected `str`, got `null`"),
+        ({"textToolCalls": "no"}, "textToolCalls: Expected `bool | null`, got `str`"),
+        ({"textToolCalls": 0}, "textToolCalls: Expected `bool | null`, got `int`"),
     ],
 )
 def test_wrong_keys_and_types_are_refused_with_a_reason(doc: Any, reason: str) -> None:
@@ -238,6 +241,7 @@ profiles = st.fixed_dictionaries(
         "hooks": st.dictionaries(st.sampled_from(EVENTS), st.text(min_size=1).filter(str.strip)),
         "hookFailure": st.sampled_from(["warn", "block"]),
         "hookTimeout": st.floats(0.001, 3600),
+        "textToolCalls": st.booleans(),
     },
 )
 

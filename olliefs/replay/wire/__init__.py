@@ -49,6 +49,10 @@ class Answer:
     def __init__(self, n: int, entry: Entry, model: str, prompt_chars: int) -> None:
         self.n, self.entry, self.model = n, entry, model
         self.calls = [Call(c.id, c.name, c.arguments_text()) for c in entry.tool_calls]
+        # What each wire streams as the reply's text and as thinking.
+        self.reply, self.reasoning = entry.reply, entry.reasoning
+        if entry.in_text is not None:
+            self._in_text(entry.in_text)
         usage = entry.usage
         given = usage.prompt_tokens if usage else None
         self.prompt_tokens = max(1, prompt_chars // 4) if given is None else given
@@ -58,6 +62,19 @@ class Answer:
         self.cached_tokens = usage.cached_tokens if usage else None
         self.cache_creation_tokens = usage.cache_creation_tokens if usage else None
         self.cost = usage.cost if usage else None
+
+    def _in_text(self, form: str) -> None:
+        """Thinking and tool calls written into the reply's text, as open models do
+        when their server does not parse them (``in_text``)."""
+        head = f"<think>{self.reasoning}</think>\n\n" if self.reasoning else ""
+        written = []
+        for call in self.calls:
+            # the arguments' own text, so that malformed ones stay malformed
+            text = f'{{"name": {dumps(call.name).decode()}, "arguments": {call.arguments}}}'
+            written.append(f"<tool_call>\n{text}\n</tool_call>" if form == "tags" else text)
+        tail = "\n".join(written)
+        self.reply = head + self.reply + ("\n" if self.reply and tail else "") + tail
+        self.reasoning, self.calls = "", []
 
     def pieces(self, text: str) -> list[str]:
         size = self.entry.chunk
@@ -112,6 +129,11 @@ class Wire:
     def schema(self, body: dict[str, Any]) -> Any:
         """The structured output the request asks for, in the wire's own form (a JSON
         Schema object, ``{}`` for "any JSON"), or None: it asks for none."""
+        return None
+
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        """Why a strict server of this API refuses the request (answered 400, and no
+        script entry taken), or None."""
         return None
 
     def stream(self, answer: Answer, body: dict[str, Any]) -> Plan:

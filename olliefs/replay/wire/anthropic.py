@@ -5,7 +5,9 @@
 ``cache_creation_input_tokens`` apart), then per content block ``content_block_start``,
 its deltas (``thinking_delta`` then one ``signature_delta``; ``text_delta``;
 ``input_json_delta``) and ``content_block_stop``; ``message_delta`` with the stop reason
-and the output tokens; ``message_stop``. Errors are
+and the output tokens; ``message_stop``. Tools the provider ran itself (``server_tools``)
+are a ``server_tool_use`` block, its input as ``input_json_delta``, then its result block
+whole at its start, between text blocks, as the API sends web search results. Errors are
 ``{"type": "error", "error": {"type", "message"}}``, in a body or as an ``error`` event.
 """
 
@@ -115,18 +117,39 @@ class AnthropicWire(Wire):
             frames.append(Frame(event("content_block_stop", {"index": index})))
             index += 1
 
-        if e.reasoning:
+        if answer.reasoning:
             deltas: list[tuple[dict[str, Any], str]] = [
-                ({"type": "thinking_delta", "thinking": p}, "") for p in answer.pieces(e.reasoning)
+                ({"type": "thinking_delta", "thinking": p}, "")
+                for p in answer.pieces(answer.reasoning)
             ]
             signature = e.signature if e.signature is not None else f"sig-{answer.n}"
             deltas.append(({"type": "signature_delta", "signature": signature}, ""))
             block({"type": "thinking", "thinking": "", "signature": ""}, deltas)
-        if e.reply or not answer.calls:
+
+        def text(part: str) -> None:
             block(
                 {"type": "text", "text": ""},
-                [({"type": "text_delta", "text": p}, p) for p in answer.pieces(e.reply)],
+                [({"type": "text_delta", "text": p}, p) for p in answer.pieces(part)],
             )
+
+        done = 0
+        for i, tool in enumerate(e.server_tools):
+            at = min(max(tool.after, done), len(answer.reply))
+            if at > done:
+                text(answer.reply[done:at])
+                done = at
+            use_id = tool.id if tool.id is not None else f"srvtoolu_{answer.n}_{i}"
+            use = {"type": "server_tool_use", "id": use_id, "name": tool.name, "input": {}}
+            pieces = answer.pieces(dumps(tool.arguments).decode()) or [""]
+            block(use, [({"type": "input_json_delta", "partial_json": p}, "") for p in pieces])
+            result = {
+                "type": tool.result_type or f"{tool.name}_tool_result",
+                "tool_use_id": use_id,
+                "content": [] if tool.result is None else tool.result,
+            }
+            block(result, [])
+        if answer.reply[done:] or not (answer.calls or e.server_tools):
+            text(answer.reply[done:])
         for i, call in enumerate(answer.calls):
             start = {
                 "type": "tool_use",

@@ -102,10 +102,10 @@ class GeminiWire(Wire):
         e = answer.entry
         frames = [
             Frame(self._chunk(answer, [{"text": p, "thought": True}]), "", True)
-            for p in answer.pieces(e.reasoning)
+            for p in answer.pieces(answer.reasoning)
         ]
         frames += [
-            Frame(self._chunk(answer, [{"text": p}]), p, True) for p in answer.pieces(e.reply)
+            Frame(self._chunk(answer, [{"text": p}]), p, True) for p in answer.pieces(answer.reply)
         ]
         for i, call in enumerate(answer.calls):
             function: dict[str, Any] = {"name": call.name, "args": _args(call.arguments)}

@@ -95,7 +95,6 @@ class KiroWire(Wire):
         return chars
 
     def stream(self, answer: Answer, body: dict[str, Any]) -> Plan:
-        e = answer.entry
         meta = {
             "conversationId": f"conv-replay-{answer.n}",
             "utteranceId": f"utt-replay-{answer.n}",
@@ -103,7 +102,7 @@ class KiroWire(Wire):
         frames = [Frame(event("messageMetadataEvent", meta))]
         frames += [
             Frame(event("assistantResponseEvent", {"content": p}), p, True)
-            for p in answer.pieces(e.reply)
+            for p in answer.pieces(answer.reply)
         ]
         for i, call in enumerate(answer.calls):
             use_id = answer.call_id(i, "tooluse")

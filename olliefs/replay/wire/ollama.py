@@ -66,11 +66,11 @@ class OllamaWire(Wire):
         e = answer.entry
         frames = [
             Frame(self._line(answer, {"thinking": p}, done=False), "", True)
-            for p in answer.pieces(e.reasoning)
+            for p in answer.pieces(answer.reasoning)
         ]
         frames += [
             Frame(self._line(answer, {"content": p}, done=False), p, True)
-            for p in answer.pieces(e.reply)
+            for p in answer.pieces(answer.reply)
         ]
         for i, call in enumerate(answer.calls):
             function: dict[str, Any] = {

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from olliefs.replay.script import Entry
 from olliefs.replay.wire import Answer, Frame, Plan, Wire, dumps, error_message, text_of
 
@@ -25,6 +27,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
+
+
+# The fields of a tool message in the API; strict gateways refuse any other.
+TOOL_MESSAGE_FIELDS = ("role", "content", "tool_call_id")
 
 
 class OpenAIWire(Wire):
@@ -44,6 +50,34 @@ class OpenAIWire(Wire):
             return None
         spec = form.get("json_schema")
         return spec.get("schema", {}) if isinstance(spec, dict) else {}
+
+    def refusal(self, body: dict[str, Any]) -> str | None:
+        """What strict OpenAI-compatible servers refuse: a field a tool message does not
+        have (gateways that validate against the API's schema), and the arguments of a
+        call in the history that are not the JSON text of an object (vLLM, llama.cpp and
+        Ollama parse them for the chat template)."""
+        for i, message in enumerate(_messages(body)):
+            if message.get("role") == "tool":
+                extra = [k for k in message if k not in TOOL_MESSAGE_FIELDS]
+                if extra:
+                    return (
+                        f"messages[{i}].{extra[0]}: Extra inputs are not permitted (a tool "
+                        f"message has {', '.join(TOOL_MESSAGE_FIELDS)})"
+                    )
+            calls = message.get("tool_calls")
+            for j, call in enumerate(calls if isinstance(calls, list) else ()):
+                function = call.get("function") if isinstance(call, dict) else None
+                args = function.get("arguments") if isinstance(function, dict) else None
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                if not isinstance(args, str):
+                    return f"{where}: must be a string"
+                try:
+                    value = msgspec.json.decode(args)
+                except msgspec.DecodeError as err:
+                    return f"{where}: not valid JSON ({err})"
+                if not isinstance(value, dict):
+                    return f"{where}: must be a JSON object"
+        return None
 
     def _calls(self, answer: Answer) -> list[tuple[str, str, str]]:
         return [
@@ -84,9 +118,9 @@ class OpenAIWire(Wire):
         """Every counted delta, paired with its content text."""
         e = answer.entry
         out: list[tuple[dict[str, Any], str]] = [
-            ({e.reasoning_field: p}, "") for p in answer.pieces(e.reasoning)
+            ({e.reasoning_field: p}, "") for p in answer.pieces(answer.reasoning)
         ]
-        out += [({"content": p}, p) for p in answer.pieces(e.reply)]
+        out += [({"content": p}, p) for p in answer.pieces(answer.reply)]
         for index, (call_id, name, arguments) in enumerate(self._calls(answer)):
             function = {"name": name, "arguments": ""}
             head = {"index": index, "id": call_id, "type": "function", "function": function}
@@ -118,9 +152,9 @@ class OpenAIWire(Wire):
 
     def complete(self, answer: Answer, body: dict[str, Any]) -> bytes | None:
         e = answer.entry
-        message: dict[str, Any] = {"role": "assistant", "content": e.reply or None}
-        if e.reasoning:
-            message[e.reasoning_field] = e.reasoning
+        message: dict[str, Any] = {"role": "assistant", "content": answer.reply or None}
+        if answer.reasoning:
+            message[e.reasoning_field] = answer.reasoning
         if answer.calls:
             message["tool_calls"] = [
                 {"id": i, "type": "function", "function": {"name": name, "arguments": args}}
@@ -160,8 +194,22 @@ class OpenAIWire(Wire):
         return dumps({"error": error}), []
 
     def stream_error(self, status: int, entry: Entry) -> bytes:
+        """OpenRouter's error inside a 200 stream: ``error`` beside a choice finished
+        with ``"error"``, and the usage of the failed request when the entry gives one
+        (OpenRouter bills it)."""
         error = {"code": status, "message": error_message(status, entry)}
-        return event(dumps({"error": error}))
+        choice = {"index": 0, "delta": {"content": ""}, "finish_reason": "error"}
+        doc: dict[str, Any] = {"error": error, "choices": [choice]}
+        if (usage := entry.usage) is not None:
+            prompt, completion = usage.prompt_tokens or 0, usage.completion_tokens or 0
+            doc["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+            if usage.cost is not None:
+                doc["usage"]["cost"] = usage.cost
+        return event(dumps(doc))
 
     def garbage(self, text: str) -> bytes:
         return event(text.encode())
