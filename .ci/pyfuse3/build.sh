@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build pyfuse3 3.5.0 from its sdist with interrupt.patch, fast.patch and memory.patch
-# and install it into a venv.
+# Build pyfuse3 3.5.0 from its sdist with the patches listed in `series` (in that order)
+# and install it into a venv, or into the environment of a Python interpreter.
 #
 #   bash .ci/pyfuse3/build.sh .venv
+#   bash .ci/pyfuse3/build.sh /path/to/python     (what `ollie build-pyfuse3` runs)
 #
 # Why: stock pyfuse3 drops FUSE_INTERRUPT, so a process blocked in a read of a blocking
 # file (stream, events, statewait) cannot be released by a signal, SIGKILL included; the
@@ -20,9 +21,9 @@ VERSION=3.5.0
 LOCAL=ollie7  # bump on every change of a patch: a venv with an older build is rebuilt
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 
-venv=${1:?usage: build.sh VENV}
+target=${1:?usage: build.sh VENV|PYTHON}
 here=$(cd "$(dirname "$0")" && pwd)
-py="$venv/bin/python"
+if [ -d "$target" ]; then py="$target/bin/python"; else py=$target; fi
 
 if "$py" - "$VERSION+$LOCAL" <<'EOF' 2>/dev/null; then
 import sys
@@ -42,9 +43,10 @@ sdist="$work/pyfuse3-$VERSION.tar.gz"
 echo "$SHA256  $sdist" | sha256sum -c --quiet -
 tar -xzf "$sdist" -C "$work"
 src="$work/pyfuse3-$VERSION"
-for p in interrupt fast memory; do
-    patch -d "$src" -p1 --quiet --forward < "$here/$p.patch"
-done
+while read -r p; do
+    case $p in '' | '#'*) continue ;; esac
+    patch -d "$src" -p1 --quiet --forward < "$here/$p"
+done < "$here/series"
 # The sdist ships the C file Cython generated from the unpatched sources: remove it so the
 # build regenerates it from the patched .pyx/.pxi.
 rm -f "$src/src/pyfuse3/__init__.c"
