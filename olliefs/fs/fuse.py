@@ -32,6 +32,12 @@ comes here costs a round trip through Python. So the kernel may cache (for
 
 xattr operations answer ENOSYS, which the kernel remembers for the mount: ``ls -l`` asks
 for two attributes per entry, and would otherwise pay two round trips for each.
+
+poll, select and epoll are answered from ``Handle.ready`` (``poll``): a follower in an
+event loop sleeps until a blocking file has data, woken through the poll handle the
+kernel gave with its last poll. Without FUSE_INTERRUPT (stock pyfuse3,
+``olliefs.fs.patched``), a blocked read is served with the thread that opened its file
+as its caller (``interrupt.Opener``).
 """
 
 from __future__ import annotations

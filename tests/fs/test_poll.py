@@ -172,6 +172,7 @@ def test_a_stream_follower_sleeps_until_the_reply(daemon: Daemon, how: str) -> N
         proc.wait()
     assert got["spurious"] == 0, got
     assert "user: ping\n" in str(got["got"])
+    daemon.wait_idle(sid)
 
 
 @pytest.mark.parametrize(
@@ -203,6 +204,7 @@ def test_events_and_statewait_followers_sleep(daemon: Daemon, rel: str, want: st
         assert want in str(got["got"])
     else:
         assert got["eof"] and got["got"] in ("thinking\n", "idle\n"), got
+    daemon.wait_idle(sid)  # the turn ends before the daemon does
 
 
 def test_a_fifo_out_follower_sleeps_until_a_prompt_is_queued(daemon: Daemon) -> None:
