@@ -1,4 +1,5 @@
-"""olliefs installed as ``pip install`` installs it: with stock pyfuse3 from PyPI.
+"""olliefs installed as ``pip install`` installs it: with stock pyfuse3 from PyPI; and
+``ollie build-pyfuse3``, which puts the patched one in its place.
 
 A second venv gets pyfuse3 3.5.0 built from its sdist as released and the project
 (editable, so it runs the code under test); the daemon runs from it. It must mount, serve
@@ -15,15 +16,18 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from olliefs.fs import patched
 from olliefs.replay import ReplayServer
 from olliefs.testing import HAVE_FUSE, Daemon
 from tests.fs.test_blocking import end, gone, start_reader
@@ -135,3 +139,70 @@ def test_stock_pyfuse3_mounts_serves_and_lets_an_opener_go(
             finally:
                 end(daemon, proc)
         assert daemon.read(f"s/{sid}/state") == "idle\n"
+
+
+# ---- ollie build-pyfuse3 -----------------------------------------------------------------
+
+
+def _series() -> list[str]:
+    lines = (ROOT / ".ci" / "pyfuse3" / "series").read_text().splitlines()
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_package_ships_the_build(tmp_path: Path) -> None:
+    """A wheel (what pip and pipx install) holds the build script, the series and every
+    patch it names: ``ollie build-pyfuse3`` works from any install. Built from a copy
+    of the tree as a fresh clone has it (an in-tree build/ would lend its old files)."""
+    src = tmp_path / "src"
+    junk = shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", ".*_cache", "__pycache__"
+    )
+    shutil.copytree(ROOT, src, ignore=junk)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(src)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("olliefs-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("build.sh", "series", *_series()):
+        assert f"olliefs/_pyfuse3/{name}" in names, name
+    assert {n for n in os.listdir(ROOT / ".ci" / "pyfuse3") if n.endswith(".patch")} == set(
+        _series()
+    )
+
+
+def test_build_pyfuse3_says_what_it_needs(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "olliefs", "build-pyfuse3"],
+        env={**os.environ, "PATH": str(tmp_path)},  # no compiler, no bash, nothing
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == (
+        "ollie: building pyfuse3 needs bash, gcc, pkg-config, patch:"
+        " apt-get install gcc pkg-config patch libfuse3-dev (as root)\n"
+    )
+
+
+def test_build_pyfuse3_leaves_this_build_alone() -> None:
+    """The environment the tests run in has the build of this checkout (.ci/setup made
+    it): the command finds it there and changes nothing."""
+    local = re.search(r"^LOCAL=(\S+)", (ROOT / ".ci" / "pyfuse3" / "build.sh").read_text(), re.M)
+    assert local is not None
+    if patched.build() != f"3.5.0+{local.group(1)}":
+        pytest.skip(f"this venv has pyfuse3 {patched.build()}: run .ci/setup")
+    r = subprocess.run(
+        [sys.executable, "-m", "olliefs", "build-pyfuse3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith(
+        "done; a running daemon uses it from its next start (ollie umount; ollie mount)\n"
+    )
+    assert patched.build() == f"3.5.0+{local.group(1)}"
