@@ -22,7 +22,7 @@ _ollie_replay_flags=
 _ollie() {
     local cur=${COMP_WORDS[COMP_CWORD]} prev=
     ((COMP_CWORD > 0)) && prev=${COMP_WORDS[COMP_CWORD - 1]}
-    local commands="mount umount status doctor install-helpers man replay-server"
+    local commands="mount umount status doctor build-pyfuse3 install-helpers man replay-server"
     COMPREPLY=()
     if ((COMP_CWORD == 1)); then
         mapfile -t COMPREPLY < <(compgen -W "$commands -h --help" -- "$cur")
@@ -63,7 +63,7 @@ _ollie() {
             fi
             return
         fi ;;
-    doctor) flags="-h --help" ;;
+    doctor | build-pyfuse3) flags="-h --help" ;;
     install-helpers)
         flags="--prefix --sbindir --user -h --help"
         case $prev in

@@ -1,4 +1,5 @@
-"""``ollie``: mount, umount, status, doctor, install-helpers, man, and the replay LLM server.
+"""``ollie``: mount, umount, status, doctor, build-pyfuse3, install-helpers, man, and the
+replay LLM server.
 
 ``ollie mount`` checks everything it can before it forks (so mistakes are reported by the
 command that made them, in one line, with a non-zero exit), then starts the daemon in its
@@ -7,9 +8,10 @@ own session and waits until the daemon says the tree answers, or reports why it 
 ``ollie umount`` and ``ollie status`` act on the mount they name, whichever state dir its
 daemon uses (``olliefs.mounts`` finds the daemon behind a mount point); without a mount
 point they act on the daemon of this state dir. ``ollie doctor`` only looks
-(``olliefs.doctor``). ``ollie install-helpers`` copies the mount(8) helper, the systemd
-user unit, the bash completion and the man pages (all shipped as package data) where
-mount(8), systemd, bash and man(1) look for them.
+(``olliefs.doctor``). ``ollie build-pyfuse3`` builds pyfuse3 with olliefs's patches into
+the environment ollie runs in (``olliefs.fs.patched``). ``ollie install-helpers`` copies
+the mount(8) helper, the systemd user unit, the bash completion and the man pages (all
+shipped as package data) where mount(8), systemd, bash and man(1) look for them.
 """
 
 from __future__ import annotations
@@ -477,6 +479,28 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_build_pyfuse3(args: argparse.Namespace) -> int:
+    """Build pyfuse3 with the patches of ``.ci/pyfuse3/`` (shipped as ``olliefs._pyfuse3``)
+    into the environment of this Python: what ``.ci/setup`` does for a clone."""
+    missing = [tool for tool in ("bash", "gcc", "pkg-config", "patch") if not shutil.which(tool)]
+    if "pkg-config" not in missing:
+        probe = subprocess.run(["pkg-config", "--exists", "fuse3"], check=False)
+        if probe.returncode != 0:
+            missing.append("libfuse3-dev")
+    if missing:
+        raise CliError(
+            f"building pyfuse3 needs {', '.join(missing)}:"
+            " apt-get install gcc pkg-config patch libfuse3-dev (as root)"
+        )
+    script = pyfuse3_dir() / "build.sh"
+    print(f"building pyfuse3 with olliefs's patches into {sys.prefix} ...", flush=True)
+    done = subprocess.run(["bash", str(script), sys.executable], check=False)
+    if done.returncode != 0:
+        raise CliError(f"the build failed ({script} exited {done.returncode}; see above)")
+    print("done; a running daemon uses it from its next start (ollie umount; ollie mount)")
+    return 0
+
+
 # ---- helpers and man pages, shipped as package data --------------------------------------
 
 
@@ -490,6 +514,12 @@ def _package_data(name: str) -> Path:
 def helpers_dir() -> Path:
     """The project's ``mount_helpers/`` folder, installed as ``olliefs._helpers``."""
     return _package_data("olliefs._helpers")
+
+
+def pyfuse3_dir() -> Path:
+    """The project's ``.ci/pyfuse3/`` folder (build script, patches), installed as
+    ``olliefs._pyfuse3``."""
+    return _package_data("olliefs._pyfuse3")
 
 
 def man_dir() -> Path:
@@ -668,6 +698,11 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_status)
     d = sub.add_parser("doctor", help="check this machine and install, one line per check")
     d.set_defaults(fn=cmd_doctor)
+    b = sub.add_parser(
+        "build-pyfuse3",
+        help="build pyfuse3 with olliefs's patches into the environment ollie runs in",
+    )
+    b.set_defaults(fn=cmd_build_pyfuse3)
     h = sub.add_parser(
         "install-helpers",
         help="install the mount(8) helper, systemd user unit, bash completion and man pages",

@@ -18,7 +18,6 @@ import logging
 import os
 import resource
 import signal
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from olliefs.fs import spec
+from olliefs.fs import patched, spec
 from olliefs.fs.fuse import Operations, mount_options
 from olliefs.fs.nodes import Node, Waiters
 from olliefs.session.registry import Registry
@@ -138,23 +137,17 @@ def lock_state(paths: Paths) -> int:
 
 
 def check_pyfuse3() -> None:
-    """Refuse to serve with a pyfuse3 built without olliefs's patches (.ci/pyfuse3/): one
-    that drops FUSE_INTERRUPT would leave a reader blocked on ``stream``, ``events`` or
-    ``statewait`` unkillable, SIGKILL included (``olliefs.fs.interrupt``); and the
-    frontend answers listings with ``readdir_reply_many`` and read-only opens with
-    ``noflush`` (fast.patch)."""
-    missing = [
-        what
-        for what, ok in (
-            ("the interrupt patch (blocked readers could not be killed)", _has_interrupt()),
-            ("the fast patch (one reader loop, noflush, many dirents)", _has_fast()),
-        )
-        if not ok
-    ]
-    if missing:
-        raise DaemonError(
-            f"pyfuse3 {pyfuse3.__version__} lacks {' and '.join(missing)}; build it from"
-            f" the olliefs source tree: bash .ci/pyfuse3/build.sh {sys.prefix}"
+    """Say once what the installed pyfuse3 lacks of olliefs's patches (.ci/pyfuse3/) and
+    what the daemon does without it (``olliefs.fs.patched``; ``ollie doctor`` says the
+    same). A stock pyfuse3 mounts and serves: blocked reads of readers that did not
+    open the file cannot be interrupted, and the rest is slower."""
+    found = patched.gaps()
+    if found:
+        log.warning(
+            "pyfuse3 %s lacks olliefs's patches (%s builds them): %s",
+            patched.build() or "(version unknown)",
+            patched.FIX,
+            patched.summary(found),
         )
 
 
@@ -173,20 +166,6 @@ def raise_descriptor_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError) as err:  # an infinite hard limit some kernels refuse
             log.warning("open descriptors stay limited to %d: %s", soft, err)
-
-
-def _has_interrupt() -> bool:
-    return hasattr(pyfuse3, "current_request")
-
-
-def _has_fast() -> bool:
-    if not (hasattr(pyfuse3, "readdir_reply_many") and hasattr(pyfuse3.FileInfo(), "noflush")):
-        return False
-    try:  # a blocked read puts its own wake-up there (olliefs.fs.interrupt)
-        pyfuse3.RequestContext().interrupted = None
-    except AttributeError:
-        return False
-    return True
 
 
 async def serve(
@@ -313,6 +292,7 @@ async def _serve(
         finally:
             with trio.CancelScope(shield=True):
                 await reg.aclose()
+            ops.close()
             pyfuse3.close(unmount=True)
             try:
                 paths.pid_file.unlink()

@@ -149,6 +149,7 @@ class Daemon:
             **extra_env,
         }
         self.proc: subprocess.Popen[bytes] | None = None
+        self.python = sys.executable  # the environment the daemon runs in
         self.mount_args: list[str] = []  # more ``ollie mount`` flags (``--9p unix:...``)
         self.log_seen = 0
         self.allowed_errors: list[str] = []
@@ -158,7 +159,7 @@ class Daemon:
     def start(self) -> None:
         stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "olliefs", "mount", "-f", *self.mount_args, str(self.path)],
+            [self.python, "-m", "olliefs", "mount", "-f", *self.mount_args, str(self.path)],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=stderr,

@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
-# Build pyfuse3 3.5.0 from its sdist with interrupt.patch, fast.patch and memory.patch
-# and install it into a venv.
+# Build pyfuse3 3.5.0 from its sdist with the patches listed in `series` (in that order)
+# and install it into a venv, or into the environment of a Python interpreter.
 #
 #   bash .ci/pyfuse3/build.sh .venv
+#   bash .ci/pyfuse3/build.sh /path/to/python     (what `ollie build-pyfuse3` runs)
 #
 # Why: stock pyfuse3 drops FUSE_INTERRUPT, so a process blocked in a read of a blocking
-# file (stream, events, statewait) cannot be released by a signal, SIGKILL included; the
-# daemon refuses to mount without the patch (see interrupt.patch for what it changes).
-# fast.patch makes the worker loop answer requests in place (a few times less CPU per
-# request), adds FOPEN_NOFLUSH and a many-entries readdir reply (see its top).
-# memory.patch reads every request into one buffer, the reader's: a worker waiting in a
-# handler (a blocked read) held a ~1 MiB buffer of its own.
+# file (stream, events, statewait, fifo.out) that it did not open itself cannot be
+# released by a signal, SIGKILL included (interrupt.patch); it answers each request
+# through a lock hand-over and a pass of the event loop (loop.patch: a few times less
+# CPU per request), and each worker held a ~1 MiB receive buffer while its handler
+# waited (memory.patch); noflush.patch and readdir-many.patch add the calls the
+# frontend uses for closes and listings, lazy-version.patch takes ~25 ms off the
+# import. The daemon runs on stock pyfuse3 too, degraded (olliefs/fs/patched.py).
+# Each patch is one change with its docs and tests, written so that it could be offered
+# to pyfuse3 as it is; its head says what and why.
 # The sdist comes from PyPI by exact version and is checked against its sha256; the build
 # needs gcc, pkg-config and libfuse3-dev, and pip fetches Cython and setuptools for it.
 # Safe to run again: a venv that already has this build is left alone.
 set -euo pipefail
 
 VERSION=3.5.0
-LOCAL=ollie7  # bump on every change of a patch: a venv with an older build is rebuilt
+LOCAL=ollie8  # bump on every change of a patch: a venv with an older build is rebuilt
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 
-venv=${1:?usage: build.sh VENV}
+target=${1:?usage: build.sh VENV|PYTHON}
 here=$(cd "$(dirname "$0")" && pwd)
-py="$venv/bin/python"
+if [ -d "$target" ]; then py="$target/bin/python"; else py=$target; fi
 
 if "$py" - "$VERSION+$LOCAL" <<'EOF' 2>/dev/null; then
 import sys
@@ -42,9 +46,10 @@ sdist="$work/pyfuse3-$VERSION.tar.gz"
 echo "$SHA256  $sdist" | sha256sum -c --quiet -
 tar -xzf "$sdist" -C "$work"
 src="$work/pyfuse3-$VERSION"
-for p in interrupt fast memory; do
-    patch -d "$src" -p1 --quiet --forward < "$here/$p.patch"
-done
+while read -r p; do
+    case $p in '' | '#'*) continue ;; esac
+    patch -d "$src" -p1 --quiet --forward < "$here/$p"
+done < "$here/series"
 # The sdist ships the C file Cython generated from the unpatched sources: remove it so the
 # build regenerates it from the patched .pyx/.pxi.
 rm -f "$src/src/pyfuse3/__init__.c"

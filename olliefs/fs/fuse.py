@@ -32,6 +32,12 @@ comes here costs a round trip through Python. So the kernel may cache (for
 
 xattr operations answer ENOSYS, which the kernel remembers for the mount: ``ls -l`` asks
 for two attributes per entry, and would otherwise pay two round trips for each.
+
+poll, select and epoll are answered from ``Handle.ready`` (``poll``): a follower in an
+event loop sleeps until a blocking file has data, woken through the poll handle the
+kernel gave with its last poll. Without FUSE_INTERRUPT (stock pyfuse3,
+``olliefs.fs.patched``), a blocked read is served with the thread that opened its file
+as its caller (``interrupt.Opener``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import errno
 import functools
 import logging
 import os
+import select
 import stat
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
@@ -50,7 +57,7 @@ import pyfuse3
 import trio
 
 from olliefs import errors
-from olliefs.fs import interrupt
+from olliefs.fs import interrupt, patched
 from olliefs.fs.nodes import CACHED_TTL, Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
@@ -133,6 +140,14 @@ class Operations(pyfuse3.Operations):
         # for good, keep /dev/fuse open, and the mount could never be torn down).
         self._busy_dirs: dict[int, int] = {}
         self._dir_free = trio.Event()
+        # Handles polled while a read would wait, with the kernel's handle to wake their
+        # pollers (see ``poll``).
+        self._polled: dict[int, _Polled] = {}
+        self._closed = False
+        # Without FUSE_INTERRUPT (stock pyfuse3): the thread that opened each file that
+        # blocks, watched while a read of it waits (``interrupt.Opener``).
+        self._watch = None if patched.INTERRUPT else interrupt.Watch()
+        self._openers: dict[int, interrupt.Opener] = {}
         # Counts for tests and the bench: invalidations sent to the kernel.
         self.invalidated_attrs = 0
         self.invalidated_entries = 0
@@ -294,10 +309,12 @@ class Operations(pyfuse3.Operations):
             if listing.dir.listing_version() != listing.version:
                 del self._listings[ino]
 
-    def _fh(self, handle: Handle) -> int:
+    def _fh(self, handle: Handle, ctx: pyfuse3.RequestContext) -> int:
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = handle
+        if self._watch is not None and handle.waits:
+            self._openers[fh] = interrupt.Opener(ctx.pid, self._watch)
         return fh
 
     def _handle(self, fh: int) -> Handle:
@@ -455,7 +472,7 @@ class Operations(pyfuse3.Operations):
         if listing.epoch == self._epoch and (
             listing.version is not None and o.dir.listing_version() == listing.version
         ):
-            end = pyfuse3.readdir_reply_many(token, listing.names, o.attrs, start)
+            end = patched.readdir_reply_many(token, listing.names, o.attrs, start)
             self._sent(o, start, end)
             return
         # Checked per entry, a window at a time: what is checked is sent, or waits for
@@ -466,7 +483,7 @@ class Operations(pyfuse3.Operations):
             for i in range(start, stop):
                 node = listing.nodes[i]
                 attrs[i] = self._attrs(node) if node.valid() else None
-            end = pyfuse3.readdir_reply_many(token, listing.names, attrs, start, stop)
+            end = patched.readdir_reply_many(token, listing.names, attrs, start, stop)
             self._sent(o, start, end)
             if end < stop:
                 a = attrs[end]
@@ -513,12 +530,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EACCES)
         await node.prepare()
         handle = node.open(self._how(flags, ctx))
-        return pyfuse3.FileInfo(
-            fh=self._fh(handle),
-            direct_io=node.direct_io,
-            keep_cache=False,
-            noflush=noflush(handle, flags),
-        )
+        return patched.file_info(self._fh(handle, ctx), node.direct_io, noflush(handle, flags))
 
     def _how(self, flags: int, ctx: pyfuse3.RequestContext) -> Open:
         nonblock = bool(flags & os.O_NONBLOCK)
@@ -529,8 +541,13 @@ class Operations(pyfuse3.Operations):
         handle = self._handle(fh)
         if not handle.waits:
             return await handle.read(off, size)
-        # The request (caller's thread, FUSE_INTERRUPT event) for a read that blocks.
-        with interrupt.serving(pyfuse3.current_request.get()):
+        # The request (caller's thread, FUSE_INTERRUPT event) for a read that blocks;
+        # without FUSE_INTERRUPT, the thread that opened the file.
+        if self._watch is None:
+            caller: interrupt.Caller | None = pyfuse3.current_request.get()
+        else:
+            caller = self._openers.get(fh)
+        with interrupt.serving(caller):
             return await handle.read(off, size)
 
     @translated
@@ -551,9 +568,64 @@ class Operations(pyfuse3.Operations):
 
     @translated
     async def release(self, fh: int) -> None:
+        self._openers.pop(fh, None)
+        polled = self._polled.pop(fh, None)
+        if polled is not None:
+            polled.scope.cancel()
         handle = self._handles.pop(fh, None)
         if handle is not None:
             handle.release()
+
+    # ---- poll, select, epoll ----------------------------------------------------------
+
+    @translated
+    async def poll(
+        self,
+        inode: int,
+        fh: int,
+        poll_handle: pyfuse3.PollHandle | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> int:
+        """Readable when a read would answer at once (``Handle.ready``), writable always
+        (no write here waits). A handle that is not ready and comes with the kernel's
+        poll handle gets a task that waits for the change that makes it ready and then
+        wakes the pollers: a reader in poll, select, epoll (asyncio, Node, Go) sleeps
+        until there is data, and costs nothing meanwhile. One such task per handle
+        however often it is polled; it ends at the wake-up or at the close."""
+        handle = self._handle(fh)
+        if handle.ready():
+            return _READABLE | _WRITABLE
+        if poll_handle is not None:
+            polled = self._polled.get(fh)
+            if polled is None:
+                polled = self._polled[fh] = _Polled(poll_handle)
+                trio.lowlevel.spawn_system_task(
+                    self._wake_when_ready, fh, handle, polled, name="olliefs.fs.fuse.poll"
+                )
+            else:  # the kernel's latest handle; the older one is destroyed as it goes
+                polled.handle = poll_handle
+        return _WRITABLE
+
+    async def _wake_when_ready(self, fh: int, handle: Handle, polled: _Polled) -> None:
+        try:
+            with polled.scope:
+                while not handle.ready():
+                    await handle.changed()
+                if not self._closed:  # after pyfuse3.close() the handle's session is gone
+                    patched.notify_poll(polled.handle)
+        except Exception:  # a system task must not raise: it would end the daemon
+            log.exception("waking the pollers of a file failed")
+        finally:
+            if self._polled.get(fh) is polled:
+                del self._polled[fh]
+
+    def close(self) -> None:
+        """Before ``pyfuse3.close()``: no poller is woken any more (the poll handles
+        name the session that call frees)."""
+        self._closed = True
+        for polled in self._polled.values():
+            polled.scope.cancel()
+        self._polled.clear()
 
     # ---- namespace changes ----------------------------------------------------------
 
@@ -603,13 +675,7 @@ class Operations(pyfuse3.Operations):
         # The kernel counts a create reply as a lookup of the new inode.
         attrs = self._entry(node)
         direct_io = isinstance(node, File) and node.direct_io
-        info = pyfuse3.FileInfo(
-            fh=self._fh(handle),
-            direct_io=direct_io,
-            keep_cache=False,
-            noflush=noflush(handle, flags),
-        )
-        return info, attrs
+        return patched.file_info(self._fh(handle, ctx), direct_io, noflush(handle, flags)), attrs
 
     @translated
     @holds_dir
@@ -628,6 +694,20 @@ class Operations(pyfuse3.Operations):
 
 # Entries checked per step where a listing is checked entry by entry (see _readdir).
 _WINDOW = 128
+
+_READABLE = select.POLLIN | select.POLLRDNORM
+_WRITABLE = select.POLLOUT | select.POLLWRNORM
+
+
+class _Polled:
+    """A handle polled while not ready: the kernel's handle to wake its pollers, and the
+    scope of the task that waits to do it."""
+
+    __slots__ = ("handle", "scope")
+
+    def __init__(self, handle: pyfuse3.PollHandle) -> None:
+        self.handle = handle
+        self.scope = trio.CancelScope()
 
 
 class _Listing:

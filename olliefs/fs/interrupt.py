@@ -41,6 +41,14 @@ When the thread's status cannot be read (the reader lives in a pid namespace the
 does not see, so the request carries pid 0 or a number that names nobody here), the read
 fails with EINTR at the interrupt: a reader that can always be killed is worth more than
 one that survives Ctrl-Z.
+
+Stock pyfuse3 (``olliefs.fs.patched``) drops FUSE_INTERRUPT and tells a read nothing of
+its caller. There the frontend serves a blocked read with the thread that opened the file
+(``Opener``) as its caller, and one task (``Watch``) looks at the pending signals of each
+such thread every ``WATCH_PERIOD`` while a read of its files waits, one look per thread
+for all its reads: a Ctrl-C of ``cat stream`` ends the read, but a reader that only
+inherited the descriptor is not seen, and waits on until data comes. A thread that is gone
+(its reader was a child that lives on) is no longer looked at: its reads wait on.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import Protocol
@@ -90,16 +99,89 @@ class Caller(Protocol):
 class _Hook:
     """What FUSE_INTERRUPT sets while a read waits: it cancels the wait's scope."""
 
-    __slots__ = ("came", "scope")
+    __slots__ = ("__weakref__", "came", "out", "scope")
 
     def __init__(self) -> None:
         self.came = False
+        self.out = False  # the reader certainly wants out (``Watch`` looked already)
         self.scope: trio.CancelScope | None = None
 
     def set(self) -> None:
         self.came = True
         if self.scope is not None:
             self.scope.cancel()
+
+    def leave(self) -> None:
+        self.out = True
+        self.set()
+
+
+class Watch:
+    """Looks, every ``WATCH_PERIOD``, at the pending signals of the threads that opened
+    the files whose reads wait, for a pyfuse3 without FUSE_INTERRUPT (see the module).
+
+    One system task, running only while some read waits; one look per thread a round,
+    however many of its reads wait. The hooks are held weakly: a wait that ended for
+    any other reason drops out by itself."""
+
+    def __init__(self) -> None:
+        self._hooks: dict[int, weakref.WeakSet[_Hook]] = {}
+        self._running = False
+
+    def add(self, tid: int, hook: _Hook) -> None:
+        if tid <= 0:
+            return  # a thread in a pid namespace the daemon does not see: no status
+        self._hooks.setdefault(tid, weakref.WeakSet()).add(hook)
+        if not self._running:
+            self._running = True
+            trio.lowlevel.spawn_system_task(self._run, name="olliefs.fs.interrupt.Watch")
+
+    @property
+    def watched(self) -> int:
+        """How many threads are looked at (for tests)."""
+        return len(self._hooks)
+
+    async def _run(self) -> None:
+        try:
+            while self._hooks:
+                await trio.sleep(WATCH_PERIOD)
+                for tid, hooks in list(self._hooks.items()):
+                    if not hooks:
+                        del self._hooks[tid]
+                        continue
+                    status = thread_status(tid)
+                    if status is None:  # gone: whoever reads now is not known here
+                        del self._hooks[tid]
+                    elif wants_out(status):
+                        del self._hooks[tid]
+                        for hook in list(hooks):
+                            hook.leave()
+        except Exception:  # a system task must not raise: it would end the daemon
+            log.exception("watching blocked readers' signals failed")
+        finally:
+            self._running = False
+            self._hooks.clear()
+
+
+class Opener:
+    """The caller of a read as stock pyfuse3 lets the frontend know it: the thread that
+    opened the file (``Caller``). The hook a wait puts in ``interrupted`` is set by
+    ``watch`` when that thread has a signal that needs it out."""
+
+    __slots__ = ("pid", "watch")
+
+    def __init__(self, pid: int, watch: Watch) -> None:
+        self.pid = pid
+        self.watch = watch
+
+    @property
+    def interrupted(self) -> Settable | None:
+        return None
+
+    @interrupted.setter
+    def interrupted(self, value: Settable) -> None:
+        assert isinstance(value, _Hook)
+        self.watch.add(self.pid, value)
 
 
 _caller: ContextVar[Caller | None] = ContextVar("olliefs.fs.caller", default=None)
@@ -144,15 +226,21 @@ def wants_out(status: str) -> bool:
     return False
 
 
-def thread_wants_out(tid: int) -> bool:
-    """``wants_out`` for a thread by id; True when its status cannot be read."""
+def thread_status(tid: int) -> str | None:
+    """The text of ``/proc/<tid>/status``; None when there is no such thread here."""
     if tid <= 0:
-        return True
+        return None
     try:
         with open(f"/proc/{tid}/status") as f:
-            return wants_out(f.read())
+            return f.read()
     except OSError:
-        return True
+        return None
+
+
+def thread_wants_out(tid: int) -> bool:
+    """``wants_out`` for a thread by id; True when its status cannot be read."""
+    status = thread_status(tid)
+    return status is None or wants_out(status)
 
 
 async def wait(ready: Callable[[], bool], park: Callable[[], Awaitable[None]]) -> None:
@@ -177,7 +265,7 @@ async def wait(ready: Callable[[], bool], park: Callable[[], Awaitable[None]]) -
             hook.scope = None
             continue
         # Interrupted (the check runs at once, then every WATCH_PERIOD: see the module).
-        if thread_wants_out(caller.pid):
+        if hook.out or thread_wants_out(caller.pid):
             raise Interrupted("interrupted")
         if not watching:
             watching = True

@@ -24,6 +24,13 @@ Blocking reads wait on the log's parking lot and wake in the same scheduler tick
 data, or when the frontend says the request was interrupted by a signal
 (``olliefs.fs.interrupt``), and then fail with EINTR if the signal needs the reader back.
 An idle blocked read never wakes.
+
+A handle also says whether a read would answer at once (``ready``), and waits for the
+change that may make it so (``changed``): what poll, select and epoll are answered with.
+A log handle knows where its reader is by its last read (the kernel tells a poll nothing
+of the file offset): after a read that ended at the end, it is ready again when the log
+grows; a reader that seeks without reading is found ready once, and its read then tells
+where it is.
 """
 
 from __future__ import annotations
@@ -216,6 +223,14 @@ class Handle:
     # request it serves, so that a signal ends it. A handle whose reads never wait says
     # False and saves that (the default is the safe one).
     waits = True
+
+    def ready(self) -> bool:
+        """Whether a read now would answer without waiting (poll's POLLIN)."""
+        return True
+
+    async def changed(self) -> None:
+        """Wait for the next change that may make ``ready()`` true (callers check again)."""
+        raise NotImplementedError
 
     async def read(self, off: int, size: int) -> bytes:
         return b""  # a write-only file, opened for reading by root: empty
@@ -793,17 +808,28 @@ class LogHandle(Handle):
         self.log = log
         self.blocking = blocking
         self.how = how
+        self.pos = 0  # where the reader is, as its last read said (for ``ready``)
         log.hold()  # a removed session's log file stays readable while this is open
 
     def release(self) -> None:
         self.log.let_go()
 
+    def ready(self) -> bool:
+        log = self.log
+        return not self.blocking or self.how.walker or self.pos < len(log) or log.closed
+
+    async def changed(self) -> None:
+        await self.log.wait()
+
     async def read(self, off: int, size: int) -> bytes:
+        self.pos = off
         if self.blocking and not self.how.walker:
             await wait_until(
                 lambda: off < len(self.log) or self.log.closed, self.log.wait, self.how
             )
-        return self.log.read(off, size)
+        data = self.log.read(off, size)
+        self.pos = off + len(data)
+        return data
 
 
 @dataclass(eq=False)
@@ -835,6 +861,12 @@ class StateWaitHandle(Handle):
         self.ref = cell.version
         self.how = how
         self.done = False
+
+    def ready(self) -> bool:
+        return self.done or self.how.walker or self.cell.version != self.ref or self.gone()
+
+    async def changed(self) -> None:
+        await self.cell.wait()
 
     async def read(self, off: int, size: int) -> bytes:
         if self.done or self.how.walker:
@@ -869,6 +901,13 @@ class FifoOutHandle(Handle):
         self.how = how
         self.got: bytes | None = None
 
+    def ready(self) -> bool:
+        node = self.node
+        return self.how.walker or self.got is not None or node.gone() or node.queued()
+
+    async def changed(self) -> None:
+        await self.node.park()
+
     async def read(self, off: int, size: int) -> bytes:
         node = self.node
         if self.how.walker:
@@ -895,6 +934,9 @@ class FifoOut(File):
     pop: Callable[[], str | None]
     park: Callable[[], Awaitable[None]]
     gone: Callable[[], bool]
+    # Whether a prompt is queued (poll finds fifo.out readable; another reader may
+    # still take it first, as with a pipe).
+    queued: Callable[[], bool] = lambda: False
     attr_ttl = CACHED_TTL  # stats as empty, always
 
     def valid(self) -> bool:

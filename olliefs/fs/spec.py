@@ -78,7 +78,13 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
     return {
         "prompt": PromptIn(("s", u, "prompt"), s.submit, s.refused, MAX_PROMPT, live=live),
         "fifo.in": PromptIn(("s", u, "fifo.in"), s.submit, s.refused, MAX_PROMPT, live=live),
-        "fifo.out": FifoOut(("s", u, "fifo.out"), s.pop_queued, s.queued.park, lambda: s.closed),
+        "fifo.out": FifoOut(
+            ("s", u, "fifo.out"),
+            s.pop_queued,
+            s.queued.park,
+            lambda: s.closed,
+            lambda: bool(s.queue),
+        ),
         "plan": Collected(
             ("s", u, "plan"), s.set_plan, lambda: s.plan, s.refused, live, stamp("plan")
         ),

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 import pytest
 
@@ -503,35 +502,3 @@ def test_stream_tail_and_size_polling_see_the_same_bytes(daemon: Daemon) -> None
             proc.wait()
             assert proc.stdout is not None
             proc.stdout.close()
-
-
-@pytest.mark.parametrize(
-    ("stock", "says"),
-    [
-        ("del pyfuse3.current_request", "lacks the interrupt patch"),
-        ("del pyfuse3.readdir_reply_many", "lacks the fast patch"),
-    ],
-)
-def test_the_daemon_refuses_a_pyfuse3_without_its_patches(
-    tmp_path: Path, stock: str, says: str
-) -> None:
-    """Without the interrupt patch a blocked reader could not be killed, and the frontend
-    answers with the fast patch's calls: no mount, and a one-line error that says how to
-    get the right pyfuse3."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    code = (
-        "import sys, pyfuse3\n"
-        f"{stock}  # what a stock pyfuse3 lacks\n"
-        "from olliefs.cli import main\n"
-        "sys.exit(main(['mount', '-f', sys.argv[1]]))\n"
-    )
-    env = {**os.environ, "OLLIE_HOME": str(tmp_path / "home")}
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(mnt)], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert r.returncode == 1
-    last = r.stderr.splitlines()[-1]
-    assert last.startswith("ollie: pyfuse3 ") and says in last
-    assert f"bash .ci/pyfuse3/build.sh {sys.prefix}" in last
-    assert not os.path.ismount(mnt)
