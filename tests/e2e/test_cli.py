@@ -3,8 +3,8 @@ mount(8) helper, the systemd unit, the bash completion; clear errors."""
 
 from __future__ import annotations
 
-import errno
 import ctypes
+import errno
 import os
 import re
 import select
