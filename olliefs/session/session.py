@@ -571,8 +571,13 @@ class Session:
         except (BackendError, TurnEnded) as err:
             self.emit("error", str(err))
         except Exception as err:  # a bug must not take the daemon down
-            log.exception("turn of session %s failed", self.id)
-            self.emit("error", f"internal error: {type(err).__name__}: {err}")
+            if self.closed:
+                # The daemon is stopping: what the turn had (its backend's client) was
+                # closed under it. Not a failure of the turn; it is cut like any other.
+                log.info("turn of session %s cut by the shutdown: %s", self.id, err)
+            else:
+                log.exception("turn of session %s failed", self.id)
+                self.emit("error", f"internal error: {type(err).__name__}: {err}")
         finally:
             self._work_scope = None
             self._cut_turn = None
