@@ -182,6 +182,8 @@ async def run_hook(
             continue
         all_zero = False
         stderr = res.stderr.decode(errors="replace").strip()
+        if res.stderr_cut:
+            stderr += f" [{res.stderr_cut} more bytes of stderr cut]"
         if res.status == BLOCK_EXIT and not res.timed_out:
             reason = stderr or f"blocked by {label} ({_short(command)}), no reason given"
             return HookResult(True, reason, "\n".join(context), warnings, ran, False)

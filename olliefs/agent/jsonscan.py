@@ -100,7 +100,6 @@ class JsonScanner:
         self.literal = ""
         self.literal_pos = 0
         self.error: str | None = None
-        self.nbytes = 0  # bytes fed
         self.line = 1
         self.col = 1  # column (in characters) of the next character
         self._first = True  # nothing but whitespace seen yet
@@ -166,9 +165,7 @@ class JsonScanner:
             self._scan(good.decode("utf-8", "strict"))
             if self.error is None:
                 self.error = self._at(f"invalid UTF-8 ({err.reason})")
-            self.nbytes += len(data)
             return False
-        self.nbytes += len(data)
         self._scan(text)
         if self.error is None and self._decoder.getstate()[0]:
             # A cut UTF-8 sequence: only a string may go on with a non-ASCII character.

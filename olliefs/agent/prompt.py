@@ -169,6 +169,8 @@ async def run_command(
     if res.error:
         raise PromptError(f"prompt command `{shown}`: {res.error}")
     stderr = res.stderr.decode(errors="replace").strip()
+    if res.stderr_cut:
+        stderr += f" [{res.stderr_cut} more bytes of stderr cut]"
     why = f": {stderr}" if stderr else " (no stderr)"
     if res.timed_out:
         raise PromptError(f"prompt command `{shown}` timed out after {timeout:g}s{why}")

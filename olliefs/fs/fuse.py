@@ -149,8 +149,6 @@ class Operations(pyfuse3.Operations):
         self._watch = None if patched.INTERRUPT else interrupt.Watch()
         self._openers: dict[int, interrupt.Opener] = {}
         # Counts for tests and the bench: invalidations sent to the kernel.
-        self.invalidated_attrs = 0
-        self.invalidated_entries = 0
 
     # ---- inode table ----------------------------------------------------------------
 
@@ -210,7 +208,6 @@ class Operations(pyfuse3.Operations):
         and so does ours."""
         self._attr_watched.discard(ino)
         self._kept.pop(ino, None)
-        self.invalidated_attrs += 1
         try:
             pyfuse3.invalidate_inode(ino, attr_only=True)
         except OSError:
@@ -259,7 +256,6 @@ class Operations(pyfuse3.Operations):
                     await self._dir_free.wait()
                 batch, self._stale_entries = self._stale_entries, []
                 await trio.to_thread.run_sync(_invalidate_entries, batch)
-                self.invalidated_entries += len(batch)
         except Exception:  # a system task must not raise: it would end the daemon
             log.exception("invalidating cached names failed")
         finally:

@@ -172,6 +172,14 @@ async def test_output_is_capped(tmp_path: Path) -> None:
     assert res.context.endswith("[hook preTool: 100 more bytes of output cut]")
 
 
+async def test_a_cut_stderr_says_so(tmp_path: Path) -> None:
+    """A block reason longer than the cap says how much of it was cut."""
+    res = await hook(tmp_path, f"head -c {HOOK_OUTPUT_CAP + 7} /dev/zero | tr '\\0' e >&2; exit 2")
+    assert res.blocked
+    assert res.reason.startswith("e" * 100)
+    assert res.reason.endswith("[7 more bytes of stderr cut]")
+
+
 async def test_a_big_payload_and_a_hook_that_does_not_read_it(tmp_path: Path) -> None:
     with trio.fail_after(60):
         res = await hook(tmp_path, "true", payload={"prompt": "p" * 1_000_000})
