@@ -41,7 +41,7 @@ from olliefs import mounts
 from olliefs.settings import Paths, install_defaults, load_settings, paths, private_file
 
 if TYPE_CHECKING:
-    from olliefs.fs.ninep import Address
+    from olliefs.fs.export9p import Address
 
 PROG = "ollie"
 
@@ -241,13 +241,13 @@ def _exports(args: argparse.Namespace) -> Exports | None:
         if args.ninep_allow_remote or args.ninep_key_file:
             raise CliError("--9p-allow-remote and --9p-key-file go with --9p ADDRESS")
         return None
-    from olliefs.fs import ninep  # the 9P server and its codec: only for an export
+    from olliefs.fs import export9p  # the 9P server and its codec: only for an export
 
     try:
-        addresses = [ninep.parse_address(a) for a in args.ninep]
-        key = ninep.read_key(args.ninep_key_file) if args.ninep_key_file else None
-        ninep.check_exports(addresses, args.ninep_allow_remote, key)
-    except ninep.AddressError as err:
+        addresses = [export9p.parse_address(a) for a in args.ninep]
+        key = export9p.read_key(args.ninep_key_file) if args.ninep_key_file else None
+        export9p.check_exports(addresses, args.ninep_allow_remote, key)
+    except export9p.AddressError as err:
         raise CliError(str(err)) from None
     return Exports(addresses, key)
 

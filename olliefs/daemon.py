@@ -1,7 +1,7 @@
 """The daemon: one trio program that serves the FUSE mount and runs every session.
 
 Start-up order matters: sessions are restored before the mount appears (so the first
-``ls`` already sees them), the 9P export (``--9p``, ``olliefs.fs.ninep``) listens before
+``ls`` already sees them), the 9P export (``--9p``, ``olliefs.fs.export9p``) listens before
 it too, and readiness is reported only once a ``stat`` through the mount has been
 answered, so ``ollie mount`` returns when the tree is usable.
 
@@ -219,14 +219,14 @@ async def _serve(
 
         bound: list[str] = []
         if exports is not None:
-            from olliefs.fs import ninep  # only with --9p: a mount without it waits less
+            from olliefs.fs import export9p  # only with --9p: a mount without it waits less
 
             # The same root node serves both frontends. Listening before the mount
             # appears: once ``ollie mount`` says ready, 9P clients can connect too.
-            export = ninep.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)
+            export = export9p.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)
             try:
-                bound = await nursery.start(ninep.serve, export, exports.addresses)
-            except ninep.AddressError as err:
+                bound = await nursery.start(export9p.serve, export, exports.addresses)
+            except export9p.AddressError as err:
                 with trio.CancelScope(shield=True):
                     await reg.aclose()
                 raise DaemonError(str(err)) from None

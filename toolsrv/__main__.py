@@ -26,7 +26,7 @@ import trio
 from ninep.server import serve_unix
 from toolsrv import keeper, namespaces
 from toolsrv.exec import Executor
-from toolsrv.registry import Registry
+from toolsrv.registry import ToolRegistry
 from toolsrv.server import ToolServer
 
 log = logging.getLogger("toolsrv")
@@ -99,7 +99,7 @@ async def serve(
     async with trio.open_nursery() as nursery:
         fs = ToolServer(
             key,
-            Registry(tools, max_age=REGISTRY_MAX_AGE, watch=True),
+            ToolRegistry(tools, max_age=REGISTRY_MAX_AGE, watch=True),
             sandbox_dirs=boxes,
             tmp_root=tmp_root,
             nursery=nursery,

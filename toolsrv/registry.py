@@ -16,7 +16,7 @@ Files and names
     ending in ``~``, ``.swp``, ``.swo``, ``.swx``, ``.tmp``, ``.bak``, ``.orig``, ``.rej``)
     are ignored; so are subdirectories and anything that is not a regular file (symlinks are
     followed). Every other file is a candidate, and a candidate that is not executable, has a
-    bad name or a bad header is left out and reported in :meth:`Registry.errors`.
+    bad name or a bad header is left out and reported in :meth:`ToolRegistry.errors`.
 
 Precedence
     Dirs are searched in the order given: the user's config ``tools/`` first, then the
@@ -88,7 +88,7 @@ The header
     with ``path:line: reason`` (line 2 for a missing key).
 
 Errors
-    :meth:`Registry.errors` maps the path of each file left out to its reason: the header
+    :meth:`ToolRegistry.errors` maps the path of each file left out to its reason: the header
     error, ``not executable (chmod +x)``, ``bad tool name ...``, ``duplicate tool name
     ...``, ``broken symlink``. An executable shadowed by an earlier dir is not reported (it
     would not be used anyway). Each new or changed reason is logged once at WARNING.
@@ -106,7 +106,7 @@ Example::
 Rescans
 =======
 
-:meth:`Registry.tools` is called on every ``tools/`` walk and every call, so it must be cheap
+:meth:`ToolRegistry.tools` is called on every ``tools/`` walk and every call, so it must be cheap
 when nothing changed: it stats each dir and each known file and re-reads only the files
 whose (mtime, size, mode, inode) changed, re-lists only the dirs whose mtime changed. A
 timestamp is only as fine as the file system's clock tick, so two changes within one tick
@@ -138,9 +138,9 @@ __all__ = [
     "KEYS",
     "NAME_RE",
     "AgentTools",
-    "Registry",
     "ToolError",
     "ToolInfo",
+    "ToolRegistry",
     "parse_header",
     "tool_name",
 ]
@@ -374,7 +374,7 @@ def _read_head(path: str) -> tuple[str, bool]:
     return data[:HEADER_LIMIT].decode("utf-8", errors="replace"), len(data) > HEADER_LIMIT
 
 
-class Registry:
+class ToolRegistry:
     """Every tool available from a list of dirs, rescanned as the dirs change.
 
     ``dirs`` are searched in order and earlier dirs win on a name clash. A dir that does
@@ -582,7 +582,7 @@ class AgentTools:
     with no tool behind them are kept, logged and left out of ``infos()`` until they exist.
     """
 
-    def __init__(self, registry: Registry, initial: Sequence[str] = ()) -> None:
+    def __init__(self, registry: ToolRegistry, initial: Sequence[str] = ()) -> None:
         self.registry = registry
         self._loaded: list[str] = []
         self._rev = 0

@@ -59,7 +59,7 @@ from toolsrv.protocol import (
     Content,
     check_secret,
 )
-from toolsrv.registry import AgentTools, Registry, ToolError, ToolInfo
+from toolsrv.registry import AgentTools, ToolError, ToolInfo, ToolRegistry
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
     def __init__(
         self,
         key: bytes,
-        registry: Registry,
+        registry: ToolRegistry,
         *,
         sandbox_dirs: list[Path],
         tmp_root: Path,

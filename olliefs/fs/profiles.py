@@ -34,7 +34,7 @@ def refuse_sandboxed(how: Open, refused: Callable[[str], None]) -> None:
     """A profile holds hook and prompt commands, which run outside the tool sandbox: a
     process under ``no_new_privs`` (every tool toolsrv runs) may not write one, or an
     agent could give itself a hook and switch to it."""
-    if how.pid < 0:  # a 9P client over TCP without a key (olliefs.fs.ninep.UNVERIFIED)
+    if how.pid < 0:  # a 9P client over TCP without a key (olliefs.fs.export9p.UNVERIFIED)
         reason = "a/: profiles cannot be written by a 9P client without a key"
         refused(reason)
         raise Denied(reason)

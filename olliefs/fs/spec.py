@@ -1,7 +1,7 @@
 """The file tree, declared once (SPEC 3).
 
 Each entry maps a name to the node kind and the runtime call behind it. The frontends
-(``fuse.py``, and ``ninep.py`` for ``--9p``) only translate this tree; adding a file is one
+(``fuse.py``, and ``export9p.py`` for ``--9p``) only translate this tree; adding a file is one
 line here plus the runtime method it calls.
 """
 

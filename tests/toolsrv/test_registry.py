@@ -1,6 +1,6 @@
 """The tool registry: header grammar, dir scanning and precedence, an agent's loaded set.
 
-Registry tests work on real files in ``tmp_path``: what is tested is exactly how the
+ToolRegistry tests work on real files in ``tmp_path``: what is tested is exactly how the
 registry sees a tools dir (names, modes, mtimes), so a fake filesystem would test nothing.
 """
 
@@ -22,9 +22,9 @@ from toolsrv.registry import (
     HEADER_LIMIT,
     KEYS,
     AgentTools,
-    Registry,
     ToolError,
     ToolInfo,
+    ToolRegistry,
     parse_header,
     tool_name,
 )
@@ -256,7 +256,7 @@ def test_tool_name_strips_the_last_extension() -> None:
     ]
 
 
-# ---- Registry ----------------------------------------------------------------------------
+# ---- ToolRegistry ----------------------------------------------------------------------------
 
 
 def put(
@@ -279,7 +279,7 @@ def age(*paths: Path) -> None:
 def test_tools_from_one_dir(tmp_path: Path) -> None:
     put(tmp_path, "alpha")
     put(tmp_path, "beta.py")
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     assert sorted(reg.tools()) == ["alpha", "beta"]
     assert reg.get("beta").path == str(tmp_path / "beta.py")
     assert reg.get("alpha").description == "alpha"
@@ -293,7 +293,7 @@ def test_earlier_dirs_win(tmp_path: Path) -> None:
     put(user, "same", description="user's")
     put(shipped, "same.sh", description="shipped")
     put(shipped, "other", description="other")
-    reg = Registry([user, shipped])
+    reg = ToolRegistry([user, shipped])
     assert reg.get("same").description == "user's"
     assert reg.get("other").description == "other"
     assert reg.errors() == {}
@@ -303,7 +303,7 @@ def test_a_broken_override_hides_the_shipped_tool(tmp_path: Path) -> None:
     user, shipped = tmp_path / "user", tmp_path / "shipped"
     broken = put(user, "same", "#!/bin/sh\necho no header\n")
     put(shipped, "same")
-    reg = Registry([user, shipped])
+    reg = ToolRegistry([user, shipped])
     assert "same" not in reg.tools()
     assert list(reg.errors()) == [str(broken)]
     assert reg.errors()[str(broken)].startswith(f"{broken}:2: no header")
@@ -313,7 +313,7 @@ def test_a_non_executable_override_falls_back_and_is_reported(tmp_path: Path) ->
     user, shipped = tmp_path / "user", tmp_path / "shipped"
     copy = put(user, "same", mode=0o644, description="user's")
     put(shipped, "same", description="shipped")
-    reg = Registry([user, shipped])
+    reg = ToolRegistry([user, shipped])
     assert reg.get("same").description == "shipped"
     assert reg.errors() == {str(copy): "not executable (chmod +x)"}
 
@@ -331,7 +331,7 @@ def test_ignored_and_bad_files(tmp_path: Path) -> None:
     plain = put(tmp_path, "notes.txt", "just notes\n", mode=0o644)
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     assert list(reg.tools()) == ["good"]
     errors = reg.errors()
     assert set(errors) == {str(bad_name), str(digit), str(plain), str(dangling)}
@@ -344,19 +344,21 @@ def test_a_symlinked_tool_is_followed(tmp_path: Path) -> None:
     target = put(tmp_path / "elsewhere", "real")
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "linked").symlink_to(target)
-    assert Registry([tmp_path / "tools"]).get("linked").path == str(tmp_path / "tools" / "linked")
+    assert ToolRegistry([tmp_path / "tools"]).get("linked").path == str(
+        tmp_path / "tools" / "linked"
+    )
 
 
 def test_two_files_of_one_name_in_one_dir(tmp_path: Path) -> None:
     put(tmp_path, "dup.py", description="py")
     sh = put(tmp_path, "dup.sh", description="sh")
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     assert reg.get("dup").description == "py"
     assert reg.errors() == {str(sh): f"duplicate tool name 'dup': {tmp_path / 'dup.py'} is used"}
 
 
 def test_missing_dirs_provide_nothing(tmp_path: Path) -> None:
-    reg = Registry([tmp_path / "nope", tmp_path / "also-nope"])
+    reg = ToolRegistry([tmp_path / "nope", tmp_path / "also-nope"])
     assert reg.tools() == {}
     assert reg.errors() == {}
     put(tmp_path / "nope", "late")
@@ -369,7 +371,7 @@ def test_missing_dirs_provide_nothing(tmp_path: Path) -> None:
 def test_rescan_sees_new_changed_and_deleted_tools(tmp_path: Path) -> None:
     a = put(tmp_path, "a", description="first")
     b = put(tmp_path, "b")
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     assert sorted(reg.tools()) == ["a", "b"]
 
     put(tmp_path, "c")
@@ -392,7 +394,7 @@ def test_rescan_sees_new_changed_and_deleted_tools(tmp_path: Path) -> None:
 
 def test_max_age_trusts_a_recent_scan_but_a_miss_rescans(tmp_path: Path) -> None:
     a = put(tmp_path, "a", description="first")
-    reg = Registry([tmp_path], max_age=3600)
+    reg = ToolRegistry([tmp_path], max_age=3600)
     assert sorted(reg.tools()) == ["a"]
     a.write_text(minimal(description="second"))
     put(tmp_path, "b")
@@ -411,8 +413,8 @@ def test_a_watched_dir_is_seen_at_once(tmp_path: Path) -> None:
     next look, however young the last scan; unwatched, the same scan is trusted."""
     a, b, c = (put(tmp_path, n, description=n) for n in "abc")
     age(a, b, c, tmp_path)
-    watched = Registry([tmp_path], max_age=3600, watch=True)
-    unwatched = Registry([tmp_path], max_age=3600)
+    watched = ToolRegistry([tmp_path], max_age=3600, watch=True)
+    unwatched = ToolRegistry([tmp_path], max_age=3600)
     assert sorted(watched.tools()) == sorted(unwatched.tools()) == ["a", "b", "c"]
     a.write_text(minimal(description="edited"))
     b.chmod(0o644)
@@ -426,7 +428,7 @@ def test_a_watched_dir_is_seen_at_once(tmp_path: Path) -> None:
 def test_chmod_is_noticed(tmp_path: Path) -> None:
     p = put(tmp_path, "t", mode=0o644)
     age(p, tmp_path)
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     assert reg.tools() == {}
     p.chmod(0o755)
     age(p)
@@ -446,7 +448,7 @@ def test_unchanged_files_are_not_read_again(
         return real(path)
 
     monkeypatch.setattr(registry_mod, "_read_head", counting)
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     reg.tools()
     assert len(reads) == 3
     for _ in range(5):
@@ -462,7 +464,7 @@ def test_unchanged_files_are_not_read_again(
 def test_a_racy_change_of_same_size_and_mtime_is_seen(tmp_path: Path) -> None:
     """Rewritten within one clock tick: same size, same mtime, yet a different header."""
     p = put(tmp_path, "t", minimal("tier: cold"))
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     assert reg.get("t").tier == "cold"
     st_before = p.stat()
     p.write_text(minimal("tier: warm"))
@@ -475,7 +477,7 @@ def test_errors_are_logged_once_per_change(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     p = put(tmp_path, "t", "#!/bin/sh\n")
-    reg = Registry([tmp_path])
+    reg = ToolRegistry([tmp_path])
     with caplog.at_level(logging.WARNING, logger="toolsrv.registry"):
         for _ in range(3):
             reg.tools()
@@ -492,10 +494,10 @@ def test_only_the_header_limit_is_read(tmp_path: Path) -> None:
     p = tmp_path / "big"
     p.write_bytes(minimal().encode() + b"\0\xff" * HEADER_LIMIT)
     p.chmod(0o755)
-    assert Registry([tmp_path]).get("big").description == "Do a thing."
+    assert ToolRegistry([tmp_path]).get("big").description == "Do a thing."
     long_args = '{"type": "object", "description": "' + "x" * HEADER_LIMIT + '"}'
     put(tmp_path, "huge", header("description: d", f"args: {long_args}"))
-    error = Registry([tmp_path]).errors()[str(tmp_path / "huge")]
+    error = ToolRegistry([tmp_path]).errors()[str(tmp_path / "huge")]
     assert "not valid JSON" in error
     assert error.endswith("(only the first 64 KiB are read)")
 
@@ -504,20 +506,20 @@ def test_only_the_header_limit_is_read(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def reg(tmp_path: Path) -> Registry:
+def reg(tmp_path: Path) -> ToolRegistry:
     for name in ("a", "b", "c"):
         put(tmp_path, name)
-    return Registry([tmp_path])
+    return ToolRegistry([tmp_path])
 
 
-def test_initial_tools_are_loaded_in_order(reg: Registry) -> None:
+def test_initial_tools_are_loaded_in_order(reg: ToolRegistry) -> None:
     agent = AgentTools(reg, ["c", "a", "c"])
     assert agent.loaded() == ["c", "a"]
     assert [i.name for i in agent.infos()] == ["c", "a"]
     assert agent.rev == 0
 
 
-def test_load_and_unload(reg: Registry) -> None:
+def test_load_and_unload(reg: ToolRegistry) -> None:
     agent = AgentTools(reg)
     assert (agent.loaded(), agent.rev) == ([], 0)
     agent.load("b")
@@ -534,14 +536,14 @@ def test_load_and_unload(reg: Registry) -> None:
     assert agent.rev == 3
 
 
-def test_agents_are_independent(reg: Registry) -> None:
+def test_agents_are_independent(reg: ToolRegistry) -> None:
     one, two = AgentTools(reg, ["a"]), AgentTools(reg, ["a"])
     one.load("b")
     two.unload("a")
     assert (one.loaded(), two.loaded()) == (["a", "b"], [])
 
 
-def test_a_deleted_tool_leaves_infos_but_stays_loaded(reg: Registry, tmp_path: Path) -> None:
+def test_a_deleted_tool_leaves_infos_but_stays_loaded(reg: ToolRegistry, tmp_path: Path) -> None:
     agent = AgentTools(reg, ["a", "b"])
     (tmp_path / "a").unlink()
     assert agent.loaded() == ["a", "b"]
@@ -554,7 +556,7 @@ def test_a_deleted_tool_leaves_infos_but_stays_loaded(reg: Registry, tmp_path: P
         agent.load("a")
 
 
-def test_a_tool_that_comes_back_returns_to_infos(reg: Registry, tmp_path: Path) -> None:
+def test_a_tool_that_comes_back_returns_to_infos(reg: ToolRegistry, tmp_path: Path) -> None:
     agent = AgentTools(reg, ["a"])
     (tmp_path / "a").unlink()
     assert agent.infos() == []
@@ -564,7 +566,7 @@ def test_a_tool_that_comes_back_returns_to_infos(reg: Registry, tmp_path: Path) 
     assert agent.rev == 2
 
 
-def test_rev_follows_header_changes_of_loaded_tools_only(reg: Registry, tmp_path: Path) -> None:
+def test_rev_follows_header_changes_of_loaded_tools_only(reg: ToolRegistry, tmp_path: Path) -> None:
     agent = AgentTools(reg, ["a"])
     put(tmp_path, "b", description="changed, but not loaded")
     assert agent.rev == 0
@@ -574,7 +576,7 @@ def test_rev_follows_header_changes_of_loaded_tools_only(reg: Registry, tmp_path
 
 
 def test_unknown_initial_tools_are_kept(
-    reg: Registry, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    reg: ToolRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="toolsrv.registry"):
         agent = AgentTools(reg, ["a", "later"])
@@ -605,7 +607,7 @@ EXPECTED = {
 
 
 def test_every_shipped_tool_parses() -> None:
-    reg = Registry([SHIPPED])
+    reg = ToolRegistry([SHIPPED])
     assert reg.errors() == {}
     tools = reg.tools()
     assert sorted(tools) == sorted(EXPECTED)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from olliefs.fs.ninep import (
+from olliefs.fs.export9p import (
     Address,
     AddressError,
     check_exports,
