@@ -86,10 +86,11 @@ def find_ellie(tmp: Path) -> Path | None:
 def ellie_el(tmp_path: Path) -> Path:
     found = find_ellie(tmp_path)
     if found is None:
-        pytest.skip(
+        why = (
             "ellie.el not found: set OLLIE_ELLIE_EL to its path, or OLLIE_ELLIE_GIT to a "
             "clone of github.com/lneely/ollie-el"
         )
+        pytest.skip(reason=why)
     return found
 
 

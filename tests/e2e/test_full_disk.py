@@ -37,7 +37,7 @@ BIG = "a prompt longer than the slack a full disk leaves in a page " * 200  # ~1
 def disk(tmp_path: Path) -> Iterator[SmallDisk]:
     why = SmallDisk.unavailable()
     if why is not None:
-        pytest.skip(why)
+        pytest.skip(reason=why)
     with SmallDisk(tmp_path / "home", 32 << 20) as disk:  # the daemon's OLLIE_HOME
         yield disk
 

@@ -194,7 +194,7 @@ def test_build_pyfuse3_leaves_this_build_alone() -> None:
     local = re.search(r"^LOCAL=(\S+)", (ROOT / ".ci" / "pyfuse3" / "build.sh").read_text(), re.M)
     assert local is not None
     if patched.build() != f"3.5.0+{local.group(1)}":
-        pytest.skip(f"this venv has pyfuse3 {patched.build()}: run .ci/setup")
+        pytest.skip(reason=f"this venv has pyfuse3 {patched.build()}: run .ci/setup")
     r = subprocess.run(
         [sys.executable, "-m", "olliefs", "build-pyfuse3"],
         capture_output=True,

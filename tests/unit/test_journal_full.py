@@ -31,7 +31,7 @@ BIG = "x" * 10_000  # more than a page: never fits in the slack a full disk leav
 def disk(tmp_path: Path) -> Iterator[SmallDisk]:
     why = SmallDisk.unavailable()
     if why is not None:
-        pytest.skip(why)
+        pytest.skip(reason=why)
     with SmallDisk(tmp_path / "disk", 256 * 1024) as d:
         yield d
 
