@@ -8,11 +8,13 @@ bounds on memory (a correctness property: no leak), never durations.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from olliefs.replay import Entry
@@ -104,13 +106,17 @@ for t in threads:
 """
 
 
-def wait_readers_at(proc: subprocess.Popen[bytes], path: Path, n: int, offset: int) -> None:
-    """Wait until ``n`` descriptors of ``proc`` on ``path`` have read up to ``offset``
-    and ``n`` of its threads wait in a FUSE read: every reader took what there was and
-    waits for more."""
+def wait_readers_at(
+    proc: subprocess.Popen[bytes], path: Path, n: int, size: Callable[[], int]
+) -> None:
+    """Wait until ``n`` descriptors of ``proc`` on ``path`` have read up to its current
+    ``size`` and ``n`` of its threads wait in a FUSE read: every reader took what there
+    was and waits for more. The size is looked at again each time: a line the session
+    adds after the state said idle moves the end the readers wait at."""
     fds = f"/proc/{proc.pid}/fd"
 
     def at_offset() -> int:
+        offset = size()
         count = 0
         for fd in os.listdir(fds):
             try:
@@ -146,10 +152,12 @@ def test_blocked_readers_cost_kilobytes_and_leave_them_for_the_next(daemon: Daem
         path = daemon.p(f"s/{sid}/stream")
         proc = subprocess.Popen([sys.executable, "-c", READERS, str(path), str(n)])
         try:
-            wait_readers_at(proc, path, n, len(daemon.read(f"s/{sid}/chat").encode()))
+            chat = daemon.p(f"s/{sid}/chat")
+            end = functools.partial(lambda p: os.stat(p).st_size, chat)
+            wait_readers_at(proc, path, n, end)
             daemon.prompt(sid, "wake them all")
             daemon.wait_idle(sid)
-            wait_readers_at(proc, path, n, len(daemon.read(f"s/{sid}/chat").encode()))
+            wait_readers_at(proc, path, n, end)
             held.append(rss(daemon) - before)
             daemon.write(f"s/{sid}/ctl", "kill")  # EOF for every reader
             assert proc.wait(timeout=60) == 0
