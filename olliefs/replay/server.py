@@ -94,6 +94,9 @@ class _HTTPServer(ThreadingHTTPServer):
         self.replay = replay
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.connections: dict[socket.socket, threading.Thread] = {}
+        # Every connection thread not yet seen to end: one that took itself out of
+        # ``connections`` is still finishing, and ``stop`` waits for it too.
+        self.threads: list[threading.Thread] = []
         self.conn_lock = threading.Lock()
         self.conn_changed = threading.Condition(self.conn_lock)  # a connection came or went
         super().__init__(address, _Handler)
@@ -115,6 +118,7 @@ class _HTTPServer(ThreadingHTTPServer):
         )
         with self.conn_lock:
             self.connections[request] = t
+            self.threads = [*(x for x in self.threads if x.is_alive()), t]
             self.replay.accepted += 1
             self.conn_changed.notify_all()
         t.start()
@@ -754,12 +758,13 @@ class ReplayServer:
         thread.join()
         with httpd.conn_lock:
             connections = dict(httpd.connections)
+            threads = list(httpd.threads)
         for conn in connections:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # already closed by its handler
-        for t in connections.values():
+        for t in threads:
             t.join()
         httpd.server_close()
         self._httpd = self._thread = None
