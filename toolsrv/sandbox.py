@@ -28,6 +28,7 @@ never runs Python code between fork and exec.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -629,59 +630,85 @@ def prepare(
     hidden = hide if isinstance(hide, Hidden) else resolve_hidden(hide, (), ids)
     roots = clean_roots(write_roots, ids, hidden) if clean is None else list(clean)
     use_ns = namespaces.mount_namespaces() if mount_ns is None else mount_ns
-    dirs, files, show, pins = _hidden_plan(roots, hidden, ids)
-    mounts = None
-    tops: dict[str, frozenset[str]] = {}
     if use_ns:
-        if protect is None:
-            protect = ProtectedScan(inotify=False).find(outer_roots(roots))
-        mounts = namespaces.MountPlan(
-            tuple(roots), tuple(protect), dirs, files, show, tuple(sorted(pins))
-        )
+        mounts, tops = _mount_plan(roots, hidden, ids, protect), {}
     else:
-        warn_once(
-            "mountns",
-            "no mount namespaces: only .git at the top of a write root is protected, "
-            "metadata outside the roots (chmod, chown, utimes, xattrs) is not read-only, "
-            "and the hidden paths are read-only but not hidden",
-        )
-        # The way to a hidden path, beneath a root: its entries get no rule.
-        keep_out = frozenset((*pins, *dirs, *files))
-        for r in roots:
-            away = frozenset(p for p in keep_out if namespaces.strictly_beneath(p, r))
-            if away or any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES):
-                tops[r] = away
+        mounts, tops = None, _kept_tops(roots, hidden, ids)
     key = None
     if rulesets is not None and not tops:
         key = _ruleset_key(abi, profile.network, roots, ids)
+    kept = rulesets.get(key) if rulesets is not None and key is not None else None
+    if kept is not None:
+        return Prepared(
+            kept,
+            mounts,
+            netns,
+            filt,
+            profile.network,
+            owns_ruleset=False,
+            ruleset_key=key,
+            ids=ids,
+        )
+    fd = _build_ruleset(abi, profile.network, roots, tops)
+    prepared = Prepared(fd, mounts, netns, filt, profile.network, ids=ids)
     if key is not None and rulesets is not None:
-        kept = rulesets.get(key)
-        if kept is not None:
-            return Prepared(
-                kept,
-                mounts,
-                netns,
-                filt,
-                profile.network,
-                owns_ruleset=False,
-                ruleset_key=key,
-                ids=ids,
-            )
+        rulesets.put(key, fd)
+        prepared.owns_ruleset = False
+        prepared.ruleset_key = key
+    return prepared
+
+
+def _mount_plan(
+    roots: list[str], hidden: Hidden, ids: namespaces.Ids, protect: Sequence[str] | None
+) -> namespaces.MountPlan:
+    """The mount namespace of a call with ``roots`` (see `prepare`)."""
+    dirs, files, show, pins = _hidden_plan(roots, hidden, ids)
+    if protect is None:
+        protect = ProtectedScan(inotify=False).find(outer_roots(roots))
+    return namespaces.MountPlan(
+        tuple(roots), tuple(protect), dirs, files, show, tuple(sorted(pins))
+    )
+
+
+def _kept_tops(roots: list[str], hidden: Hidden, ids: namespaces.Ids) -> dict[str, frozenset[str]]:
+    """Without mount namespaces: the roots whose top-level entries get a rule each (they
+    hold a protected name or the way to a hidden path), each with the entries that get none
+    (the way to a hidden path, beneath the root)."""
+    warn_once(
+        "mountns",
+        "no mount namespaces: only .git at the top of a write root is protected, "
+        "metadata outside the roots (chmod, chown, utimes, xattrs) is not read-only, "
+        "and the hidden paths are read-only but not hidden",
+    )
+    dirs, files, _show, pins = _hidden_plan(roots, hidden, ids)
+    keep_out = frozenset((*pins, *dirs, *files))
+    tops: dict[str, frozenset[str]] = {}
+    for r in roots:
+        away = frozenset(p for p in keep_out if namespaces.strictly_beneath(p, r))
+        if away or any(os.path.lexists(os.path.join(r, n)) for n in PROTECTED_NAMES):
+            tops[r] = away
+    return tops
+
+
+def _build_ruleset(
+    abi: int, network: bool, roots: Sequence[str], tops: Mapping[str, frozenset[str]]
+) -> int:
+    """A new Landlock ruleset (its fd, the caller's) with the rules of `prepare`."""
     handled_fs = fs_rights(abi)
     attr = _RulesetAttr(handled_fs, 0, 0)
     size = 8
     if abi >= 4:
         size = 16
-        if not profile.network:
+        if not network:
             attr.handled_access_net = NET_BIND_TCP | NET_CONNECT_TCP
     if abi >= 6:
         size = 24
         attr.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
     # The package's wrapper is typed for its one-field struct; the kernel reads ``size``.
     ptr = ctypes.cast(ctypes.pointer(attr), ctypes.POINTER(RulesetAttr))
-    fd = int(_ll("landlock_create_ruleset", lambda: get_create_ruleset()(ptr, size, 0)))
-    prepared = Prepared(fd, mounts, netns, filt, profile.network, ids=ids)
-    try:
+    with contextlib.ExitStack() as stack:
+        fd = int(_ll("landlock_create_ruleset", lambda: get_create_ruleset()(ptr, size, 0)))
+        stack.callback(os.close, fd)
         _add_rule(fd, "/", FS_READ_EXEC)
         _add_rule(fd, "/dev/null", FS_DEV_NULL & handled_fs, missing_ok=True)
         for root in roots:
@@ -689,14 +716,8 @@ def prepare(
                 _add_entries_except(fd, root, handled_fs, tops[root])
             else:
                 _add_rule(fd, root, handled_fs)
-    except BaseException:
-        prepared.close()
-        raise
-    if key is not None and rulesets is not None:
-        rulesets.put(key, fd)
-        prepared.owns_ruleset = False
-        prepared.ruleset_key = key
-    return prepared
+        stack.pop_all()  # complete: the caller's
+    return fd
 
 
 def _add_rule(ruleset: int, path: str, access: int, *, missing_ok: bool = False) -> None:

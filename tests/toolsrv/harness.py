@@ -7,7 +7,14 @@ from pathlib import Path
 
 from olliefs.testing import ToolsrvProc, running_toolsrv
 
-__all__ = ["ToolsrvProc", "pid_alive", "pid_exists", "running_toolsrv", "tool_env"]
+__all__ = [
+    "ToolsrvProc",
+    "pid_alive",
+    "pid_exists",
+    "running_toolsrv",
+    "server_pid",
+    "tool_env",
+]
 
 
 def tool_env(cwd: Path, session: str = "sess") -> dict[str, str]:
@@ -26,3 +33,11 @@ def pid_alive(pid: int) -> bool:
 
 def pid_exists(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
+
+
+def server_pid(t: ToolsrvProc) -> int:
+    """The server itself: the one child of the keeper, the process ``t`` started."""
+    assert t.proc is not None
+    with open(f"/proc/{t.proc.pid}/task/{t.proc.pid}/children") as f:
+        (pid,) = f.read().split()
+    return int(pid)

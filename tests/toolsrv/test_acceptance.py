@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import stat
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,13 @@ from ninep.client import Client
 from ninep.codec import OREAD, OWRITE
 from olliefs.testing import await_until
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
-from tests.toolsrv.harness import ToolsrvProc, pid_alive, running_toolsrv, tool_env
+from tests.toolsrv.harness import (
+    ToolsrvProc,
+    pid_alive,
+    running_toolsrv,
+    server_pid,
+    tool_env,
+)
 from toolsrv.exec import cgroup
 from toolsrv.protocol import agent_secret
 from toolsrv.sandbox import landlock_abi
@@ -378,3 +386,72 @@ async def test_only_loaded_tools_can_be_called(srv: ToolsrvProc, work: Path) -> 
         with pytest.raises(NinePError):
             await c.write(fid, 0, b"frobnicate x\n")
         await c.clunk(fid)
+
+
+def held(pid: int) -> Counter[str]:
+    """What process ``pid`` holds descriptors to, by kind (``pipe``, ``anon_inode:[pidfd]``,
+    ``mnt``, a path...). Cgroup files are left out: toolsrv keeps a pool of cgroups, with
+    some of their files open, whose size follows how many calls (and spare threads, which
+    take theirs ahead) overlapped at some moment, not how many ran."""
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # (closed meanwhile)
+            continue
+        if not target.startswith("/sys/fs/cgroup/"):
+            kinds[re.sub(r":\[\d+\]$", "", target)] += 1
+    return kinds
+
+
+async def test_no_descriptor_outlives_its_call(tmp_path: Path) -> None:
+    """Calls that end every way a call can end (output, stdin larger than a pipe, a tool
+    whose interpreter is missing, the timeout, a cancellation) leave toolsrv holding the
+    descriptors it held before them. The first round fills what toolsrv keeps on purpose
+    (the cgroup pool, the kept namespace and ruleset, the spare threads), so what it holds
+    is taken after it and must come back after each of the next rounds."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    make_tool(tools, "sh_brief", timeout=0.5)
+    make_tool(tools, "sh_long", timeout=120)
+    lost = tools / "no_interp"
+    lost.write_text(SH_TOOL.format(desc="lost", timeout=3, sandbox="default"))
+    lost.write_text(lost.read_text().replace("#!/bin/bash", "#!/nonexistent/interpreter", 1))
+    lost.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    with running_toolsrv(tmp_path / "srv", tools_dirs=(tools,)) as srv:
+        pid = server_pid(srv)
+
+        async def one_round(conn: ToolsrvConn) -> None:
+            big = {"code": "echo hi", "pad": "x" * 300_000}  # (more than the pipe holds)
+            res = await conn.call("sh_long", big, str(work), tool_env(work))
+            assert (res.isError, res.text) == (False, "hi")
+            out = await sh(conn, work, "true", tool="no_interp")
+            assert out.startswith("ERROR ") and "not found" in out, out
+            out = await sh(conn, work, "sleep 1000", tool="sh_brief")
+            assert "timed out after 0.5s" in out, out
+            (work / "ready").unlink(missing_ok=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sh, conn, work, "echo READY > ready; sleep 1000", "sh_long")
+                await wait_file(work / "ready")
+                nursery.cancel_scope.cancel()  # the client flushes the result read
+            assert await sh(conn, work, "echo after", tool="sh_long") == "after"
+
+        async with srv.agent("a1", "sh_brief", "sh_long", "no_interp") as conn:
+            await one_round(conn)
+            start = held(pid)
+            for _ in range(3):
+                await one_round(conn)
+                # The cancelled call's end and the spare threads may still be closing
+                # theirs: looked at again on each line toolsrv logs (at DEBUG, per call).
+                try:
+                    await await_until(
+                        lambda: held(pid) == start,
+                        "toolsrv back to the descriptors it held",
+                        10,
+                        files=[srv.log_path],
+                    )
+                except AssertionError:
+                    assert held(pid) == start  # (what differs)
+                    raise

@@ -9,8 +9,8 @@ import os
 import resource
 import signal
 import subprocess
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
 import msgspec
@@ -172,8 +172,6 @@ class Executor:
             return ExecResult(error="empty command")
         timeout = min(timeout, profile.timeout_cap)
         roots = [*write_roots, tmp_dir, *sandbox.expand_write(profile.write, env)]
-        protect = None
-        clean = None
         ids: namespaces.Ids = {}
         hidden = sandbox.Hidden()  # (an unsandboxed profile hides nothing)
         if not profile.unsandboxed:
@@ -186,21 +184,11 @@ class Executor:
                         error=f"refused: the working directory {root} is inside {inside}, "
                         "which is hidden from tools"
                     )
+        clean: list[str] | None = None
+        protect: list[str] | None = None
         if not profile.unsandboxed and namespaces.mount_namespaces():
-            lock = self._scan_lock
-            try:
-                lock.acquire_nowait()  # (async with would yield to the scheduler twice)
-            except trio.WouldBlock:
-                await lock.acquire()
-            try:
-                clean = sandbox.clean_roots(roots, ids, hidden)
-                outer = sandbox.outer_roots(clean)
-                protect = self.scan.quick(outer)
-                if protect is None:
-                    # In a worker thread: a root on a slow filesystem must not stall us.
-                    protect = await trio.to_thread.run_sync(self.scan.find, outer)
-            finally:
-                lock.release()
+            clean = sandbox.clean_roots(roots, ids, hidden)
+            protect = await self._protected(sandbox.outer_roots(clean))
         try:
             prepared = sandbox.prepare(
                 profile,
@@ -214,10 +202,24 @@ class Executor:
             )
         except (OSError, ValueError) as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
-        try:
+        with contextlib.closing(prepared):
             return await self._run(argv, stdin, cwd, env, prepared, profile, timeout)
+
+    async def _protected(self, outer: list[str]) -> list[str]:
+        """The protected entries beneath ``outer`` (`ProtectedScan`), one scan at a time."""
+        lock = self._scan_lock
+        try:
+            lock.acquire_nowait()  # (async with would yield to the scheduler twice)
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            protect = self.scan.quick(outer)
+            if protect is None:
+                # In a worker thread: a root on a slow filesystem must not stall us.
+                protect = await trio.to_thread.run_sync(self.scan.find, outer)
+            return protect
         finally:
-            prepared.close()
+            lock.release()
 
     async def _run(
         self,
@@ -229,61 +231,42 @@ class Executor:
         profile: Profile,
         timeout: float,
     ) -> ExecResult:
-        backend = self.cgroups
+        """Spawn the call into ``prepared`` and watch it to its end.
+
+        Each resource goes on ``stack`` the moment it is ours, so that whatever ends the
+        call (a failed spawn, the timeout, a cancellation, a bug) gives everything back in
+        the reverse order: the watch with its pipes, the processes (killed, reaped), the
+        call's entry in the reaper, its cgroup, the pipes not handed on, the namespace
+        pins, and last the sweep that `run`'s guarantee rests on. Only a spare thread
+        taken but never handed a job goes back first (`_give_back`).
+        """
         spawner = self.spawner
-        call = CallRecord()
-        fds: list[int] = []  # ours until handed to the watch or closed
-        watch: Watch | None = None
-        cg: Cgroup | None = None
-        run: _Run | None = None
-        spare: Spare | None = None  # None once handed to in_fresh_thread
-        oom_seen = False  # the cgroup's OOM kill count was read for this call
-        try:
-            ns_cache = spawner.mount_ns
-            ns_key = pins = None
-            if ns_cache is not None and prepared.mounts is not None:
-                ns_key = ns_cache.key(prepared.mounts, prepared.ids)
-                prepared.mount_ns_fd = ns_cache.get(ns_key)
-                prepared.ns_serial = ns_cache.serial(ns_key)
-                if prepared.mount_ns_fd is None:
-                    pins = ns_cache.pin(ns_key)  # before the namespace is made
-                    prepared.keep_ns = pins is not None
-            spare = spawner.take_spare(prepared.key())
-            for _ in range(3):
-                fds.extend(os.pipe2(os.O_CLOEXEC))
-            in_r, in_w, out_r, out_w, err_r, err_w = fds
-            rest = prefill(in_w, stdin)
+        run = _Run(self.reaper, self.cgroups)
+        # [None]: it does not swallow exceptions (typeshed has to assume it could).
+        async with contextlib.AsyncExitStack[None]() as stack:
+            stack.push_async_callback(run.sweep)
+            ns = _MountNs(spawner.mount_ns, prepared)
+            stack.callback(ns.close)
+            in_r, in_w = _pipe(stack)
+            out_r, out_w = _pipe(stack)
+            err_r, err_w = _pipe(stack)
+            rest = prefill(in_w.fd, stdin)
             if not rest:
-                os.close(in_w)
-                fds.remove(in_w)
-            if backend is not None:
-                try:
-                    if spare is not None and spare.cg is not None:
-                        cg = spare.cg  # joined ahead by the spare thread
-                        backend.set_limit(cg, profile.max_procs, profile.memory_max)
-                    else:
-                        cg = backend.acquire(profile.max_procs, profile.memory_max)
-                except OSError as err:
-                    log.warning("cgroup for the call unavailable: %s", err.strerror)
-            self.reaper.calls.add(call)
-            thread, spare = spare, None
-            capped = cg is not None and backend is not None and backend.limits
-            mem_capped = cg is not None and cg.mem_path is not None
-            try:
-                proc = await spawner.in_fresh_thread(
-                    partial(
-                        spawn_in_thread,
-                        argv=argv,
-                        cwd=cwd,
-                        env=env,
-                        stdio=(in_r, out_w, err_w),
-                        prepared=prepared,
-                        cg=cg,
-                        version=backend.version if backend else 0,
-                        rlimits=self._rlimits(profile, capped, mem_capped),
-                    ),
-                    thread,
+                in_w.close()
+            with contextlib.ExitStack() as unused:
+                spare = spawner.take_spare(prepared.key())
+                if spare is not None:
+                    unused.callback(self._give_back, spare, run)
+                run.cg = self._cgroup(spare, profile)
+                stack.callback(run.release_cgroup)
+                job = self._spawn_job(
+                    argv, cwd, env, (in_r.fd, out_w.fd, err_w.fd), run, prepared, profile
                 )
+                self.reaper.calls.add(run.record)
+                stack.callback(self.reaper.calls.discard, run.record)
+                unused.pop_all()  # from here the spare is the spawn's
+            try:
+                proc = await spawner.in_fresh_thread(job, spare)
             except SetupError as err:
                 return ExecResult(error=f"sandbox setup failed: {err}")
             except (OSError, subprocess.SubprocessError, ValueError) as err:
@@ -292,31 +275,23 @@ class Executor:
                 log.exception("spawning %s failed", argv[0])
                 return ExecResult(error=_spawn_error(argv[0], err))
             finally:
-                os.close(in_r)
-                fds.remove(in_r)
-                built = prepared.take_built_ns()
-                if built is not None and ns_cache is not None:
-                    ns_cache.put(ns_key, built, pins)
-                    pins = None
-                    # Kept now: the next call like this one joins it, and so can a spare.
-                    prepared.mount_ns_fd = ns_cache.get(ns_key)
-                    prepared.ns_serial = ns_cache.serial(ns_key)
-                for pin in pins or ():
-                    os.close(pin)
-            call.pid = proc.pid
-            run = _Run(self.reaper, proc, exit_fd(proc.pid), cg, backend)
-            assert run.exit_fd is not None
+                in_r.close()  # the tool's now (and stdin's EOF comes with in_w's close)
+                ns.keep()
+            run.started(proc)
+            stack.push_async_callback(run.end)
+            run.exit_fd = exit_fd(proc.pid)
             watch = Watch(
-                out_r,
-                err_r,
-                in_w if rest else None,
+                out_r.fd,
+                err_r.fd,
+                in_w.fd if rest else None,
                 rest,
                 run.exit_fd,
                 profile.max_output,
-                held=(out_w, err_w),
+                held=(out_w.fd, err_w.fd),
             )
-            for fd in (out_r, err_r, out_w, err_w, *([in_w] if rest else [])):
-                fds.remove(fd)
+            stack.callback(watch.close)
+            for fd in (out_r, err_r, out_w, err_w, in_w):
+                fd.take()  # the watch's now
             spawner.prestart(profile.max_procs, prepared)
             with trio.move_on_after(timeout) as deadline:
                 await watch.pump(until_exit=True)
@@ -330,8 +305,7 @@ class Executor:
                     await watch.pump(until_exit=False)
             rc = proc.returncode
             assert rc is not None
-            oom = cg.new_oom_kills() if mem_capped and cg is not None else 0
-            oom_seen = True
+            oom = run.oom_kills()
             if oom:
                 log.info("call %s: %d process(es) killed at the memory limit", argv[0], oom)
             return ExecResult(
@@ -345,31 +319,54 @@ class Executor:
                 oom_killed=oom,
                 memory_max=profile.memory_max,
             )
-        finally:
-            if spare is not None:  # taken but not handed a job: it keeps its cgroup
-                if cg is spare.cg:
-                    cg = None
-                spawner.return_spare(spare)
-            with trio.CancelScope(shield=True):
-                if run is not None:
-                    await run.end()
-                if watch is not None:
-                    watch.close()
-                for fd in fds:
-                    os.close(fd)
-                empty = run is not None and run.empty
-                if cg is not None and run is not None and not oom_seen:
-                    cg.new_oom_kills()  # (not this call's: the next one counts from here)
-                if cg is not None and backend is not None:
-                    backend.release(cg, empty=empty)
-                self.reaper.calls.discard(call)
-                # A call whose cgroup was seen empty left no live process (a cgroup holds
-                # setsid escapees too); the processes killed at its end (stragglers) may
-                # still be on their way to being zombies of ours: the sweep waits for
-                # them. Otherwise zombies only, and `orphans` sees them.
-                stragglers = run is not None and run.stragglers
-                if not empty or stragglers or self.reaper.orphans():
-                    await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
+
+    def _cgroup(self, spare: Spare | None, profile: Profile) -> Cgroup | None:
+        """The call's cgroup: the one its spare thread joined ahead, else one of the pool.
+        Without one the call still runs (process groups and RLIMIT_NPROC instead)."""
+        backend = self.cgroups
+        if backend is None:
+            return None
+        cg = spare.cg if spare is not None else None
+        try:
+            if cg is not None:
+                backend.set_limit(cg, profile.max_procs, profile.memory_max)
+            else:
+                cg = backend.acquire(profile.max_procs, profile.memory_max)
+        except OSError as err:
+            log.warning("cgroup for the call unavailable: %s", err.strerror)
+        return cg
+
+    def _give_back(self, spare: Spare, run: _Run) -> None:
+        """A spare taken but not handed a job keeps its cgroup, for the next call."""
+        if run.cg is spare.cg:
+            run.cg = None
+        self.spawner.return_spare(spare)
+
+    def _spawn_job(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        stdio: tuple[int, int, int],
+        run: _Run,
+        prepared: Prepared,
+        profile: Profile,
+    ) -> Callable[[Spare], subprocess.Popen[bytes]]:
+        """What the spawning thread runs (`spawn_in_thread`) for this call."""
+        backend, cg = run.backend, run.cg
+        capped = cg is not None and backend is not None and backend.limits
+        mem_capped = cg is not None and cg.mem_path is not None
+        return partial(
+            spawn_in_thread,
+            argv=argv,
+            cwd=cwd,
+            env=env,
+            stdio=stdio,
+            prepared=prepared,
+            cg=cg,
+            version=backend.version if backend else 0,
+            rlimits=self._rlimits(profile, capped, mem_capped),
+        )
 
     def _rlimits(
         self, profile: Profile, capped: bool, mem_capped: bool = False
@@ -424,21 +421,28 @@ def _total_tasks() -> int:
 
 @dataclass(eq=False)
 class _Run:
-    """One call's live state, so the end can run from the normal path or a cancellation."""
+    """One call's processes and cgroup, so that its end runs the same from the normal path,
+    a failure or a cancellation (`Executor._run` registers each step when it is due)."""
 
     reaper: Reaper
-    proc: subprocess.Popen[bytes]
-    exit_fd: int | None
-    cg: Cgroup | None
     backend: CgroupBackend | None
+    record: CallRecord = field(default_factory=CallRecord)
+    cg: Cgroup | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    exit_fd: int | None = None
     exited: bool = False  # the leader has exited (not yet reaped)
     ended: bool = False
     empty: bool = False  # the call's cgroup was seen empty at the end
     stragglers: bool = False  # processes other than the leader were killed at the end
+    oom_seen: bool = False  # the cgroup's OOM kill count was read for this call
+
+    def started(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.record.pid = proc.pid
 
     async def end(self) -> None:
         """Kill everything of the call, reap the leader, wait until the rest is gone."""
-        if self.ended:
+        if self.ended or self.proc is None:
             return
         self.ended = True
         with trio.CancelScope(shield=True):
@@ -461,6 +465,92 @@ class _Run:
                 gone = await self.reaper.wait_group_gone(pid, deadline)
             if not gone:
                 log.warning("tool %d: processes still alive %gs after SIGKILL", pid, KILL_GRACE)
+
+    def oom_kills(self) -> int:
+        """Processes of the call the kernel killed at its memory limit."""
+        self.oom_seen = True
+        if self.cg is None or self.cg.mem_path is None:
+            return 0
+        return self.cg.new_oom_kills()
+
+    def release_cgroup(self) -> None:
+        """Give the cgroup back to the pool (or remove it), once the call is over."""
+        if self.cg is None or self.backend is None:
+            return
+        if self.proc is not None and not self.oom_seen:
+            self.cg.new_oom_kills()  # (not this call's: the next one counts from here)
+        self.backend.release(self.cg, empty=self.empty)
+
+    async def sweep(self) -> None:
+        """The last step of every call. A call whose cgroup was seen empty left no live
+        process (a cgroup holds setsid escapees too); the processes killed at its end
+        (stragglers) may still be on their way to being zombies of ours: the sweep waits
+        for them. Otherwise zombies only, and `Reaper.orphans` sees them."""
+        with trio.CancelScope(shield=True):
+            if not self.empty or self.stragglers or self.reaper.orphans():
+                await self.reaper.sweep_until_clean(trio.current_time() + KILL_GRACE)
+
+
+class _MountNs:
+    """The kept mount namespace a call joins; or, where none is kept yet, the pins that let
+    the one its spawn makes be kept (`MountNsCache`), closed at the end unless kept."""
+
+    def __init__(self, cache: namespaces.MountNsCache | None, prepared: Prepared) -> None:
+        self.cache = cache
+        self.prepared = prepared
+        self.key: namespaces.NsKey | None = None
+        self.pins: list[int] | None = None
+        if cache is not None and prepared.mounts is not None:
+            self.key = cache.key(prepared.mounts, prepared.ids)
+            self._join()
+            if prepared.mount_ns_fd is None:
+                self.pins = cache.pin(self.key)  # before the namespace is made
+                prepared.keep_ns = self.pins is not None
+
+    def _join(self) -> None:
+        assert self.cache is not None
+        self.prepared.mount_ns_fd = self.cache.get(self.key)
+        self.prepared.ns_serial = self.cache.serial(self.key)
+
+    def keep(self) -> None:
+        """After the spawn: keep the namespace it made (with the pins). The next call like
+        this one joins it, and so can a spare started for it."""
+        built = self.prepared.take_built_ns()
+        if built is not None and self.cache is not None:
+            pins, self.pins = self.pins, None
+            self.cache.put(self.key, built, pins)
+            self._join()
+
+    def close(self) -> None:
+        pins, self.pins = self.pins or [], None
+        for pin in pins:
+            os.close(pin)
+
+
+class _Fd:
+    """A descriptor of the call's: closed at its end unless closed early or handed on."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def take(self) -> int:
+        """Hand the descriptor on: whoever takes it closes it."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.take())
+
+
+def _pipe(stack: contextlib.AsyncExitStack[None]) -> tuple[_Fd, _Fd]:
+    """A pipe (read end, write end) whose ends ``stack`` closes unless they are taken."""
+    r, w = (_Fd(fd) for fd in os.pipe2(os.O_CLOEXEC))
+    stack.callback(r.close)
+    stack.callback(w.close)
+    return r, w
 
 
 def _spawn_error(prog: str, err: BaseException) -> str:
