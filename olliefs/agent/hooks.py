@@ -181,9 +181,7 @@ async def run_hook(
                 context.append(out)
             continue
         all_zero = False
-        stderr = res.stderr.decode(errors="replace").strip()
-        if res.stderr_cut:
-            stderr += f" [{res.stderr_cut} more bytes of stderr cut]"
+        stderr = res.stderr_text()
         if res.status == BLOCK_EXIT and not res.timed_out:
             reason = stderr or f"blocked by {label} ({_short(command)}), no reason given"
             return HookResult(True, reason, "\n".join(context), warnings, ran, False)

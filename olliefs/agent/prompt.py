@@ -168,9 +168,7 @@ async def run_command(
     res = await run_shell(command, cwd=cwd, env=env, timeout=timeout, cap=OUTPUT_CAP)
     if res.error:
         raise PromptError(f"prompt command `{shown}`: {res.error}")
-    stderr = res.stderr.decode(errors="replace").strip()
-    if res.stderr_cut:
-        stderr += f" [{res.stderr_cut} more bytes of stderr cut]"
+    stderr = res.stderr_text()
     why = f": {stderr}" if stderr else " (no stderr)"
     if res.timed_out:
         raise PromptError(f"prompt command `{shown}` timed out after {timeout:g}s{why}")

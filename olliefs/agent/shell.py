@@ -76,6 +76,13 @@ class ShellResult:
     error: str = ""
     pid: int | None = None  # the shell's pid, which was also its process group's id
 
+    def stderr_text(self) -> str:
+        """Stderr as one stripped text for a message, saying how much of it was cut."""
+        text = self.stderr.decode(errors="replace").strip()
+        if self.stderr_cut:
+            text += f" [{self.stderr_cut} more bytes of stderr cut]"
+        return text
+
 
 def base_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The clean environment commands start from: PATH, HOME, USER, LOGNAME, SHELL, LANG,
