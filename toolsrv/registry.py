@@ -130,8 +130,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from olliewire import ToolMeta
 from toolsrv.protect import FILE_EVENTS, Inotify
-from toolsrv.protocol import ToolMeta
 
 __all__ = [
     "HEADER_LIMIT",

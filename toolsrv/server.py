@@ -49,9 +49,7 @@ import trio
 from ninep import NinePError
 from ninep.codec import DMDIR, OREAD, OTRUNC, QTDIR, QTFILE, TREAD, Qid, Stat
 from ninep.server import BaseFileSystem
-from toolsrv import sandbox
-from toolsrv.exec import ExecResult, Executor
-from toolsrv.protocol import (
+from olliewire import (
     AGENT_ID_RE,
     CALL_ENV_KEYS,
     CallRequest,
@@ -59,6 +57,8 @@ from toolsrv.protocol import (
     Content,
     check_secret,
 )
+from toolsrv import sandbox
+from toolsrv.exec import ExecResult, Executor
 from toolsrv.registry import AgentTools, ToolError, ToolInfo, ToolRegistry
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ from olliefs.agent.shell import base_env
 from olliefs.agent.taskstate import TaskState, infer, last_round, start_turn, to_json
 from olliefs.backend.base import Backend, BackendError, GenerationParams, Message, Tool, Usage
 from olliefs.errors import DiskError, OllieError, disk_error
-from toolsrv.protocol import ToolMeta
+from olliewire import ToolMeta
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()

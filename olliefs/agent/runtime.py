@@ -25,7 +25,7 @@ import trio
 from olliefs.backend.base import Tool
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
-from toolsrv.protocol import CallResult, ToolMeta
+from olliewire import CallResult, ToolMeta
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from olliefs.session.session import Session, journal_path
 from olliefs.settings import Paths, agent_names, shipped_dir
 from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
-from toolsrv.protocol import ToolMeta
+from olliewire import ToolMeta
 
 if TYPE_CHECKING:
     from olliefs.backend import pool

@@ -22,7 +22,7 @@ import trio
 from ninep import NinePError
 from ninep.client import Client, ConnectionLost
 from ninep.codec import ORDWR, OREAD
-from toolsrv.protocol import CallRequest, CallResult, ToolMeta, agent_secret
+from olliewire import CallRequest, CallResult, ToolMeta, agent_secret
 
 log = logging.getLogger(__name__)
 

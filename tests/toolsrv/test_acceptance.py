@@ -26,6 +26,7 @@ from ninep.client import Client
 from ninep.codec import OREAD, OWRITE
 from olliefs.testing import await_until
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
+from olliewire import agent_secret
 from tests.toolsrv.harness import (
     ToolsrvProc,
     pid_alive,
@@ -34,7 +35,6 @@ from tests.toolsrv.harness import (
     tool_env,
 )
 from toolsrv.exec import cgroup
-from toolsrv.protocol import agent_secret
 from toolsrv.sandbox import landlock_abi
 
 pytestmark = pytest.mark.skipif(

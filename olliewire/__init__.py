@@ -4,6 +4,11 @@ Both sides import these Structs, so the JSON in ``tools/<name>/meta``, ``proc/N/
 ``proc/N/result`` has one definition. Everything is msgspec: unknown fields in a call are
 refused (a typo in a client must not be silently ignored), unknown fields in a result or
 a meta are tolerated (an older client keeps working with a newer server).
+
+A package of its own, below both sides: toolsrv never imports olliefs, and the daemon
+learns about tools only through its toolsrv connection, so neither may own the contract
+(DESIGN). It is not 9P either (``ninep`` is a generic 9P2000 library, also serving the
+FUSE tree's export), and imports nothing of the project: only msgspec and the stdlib.
 """
 
 from __future__ import annotations
