@@ -51,6 +51,7 @@ from ninep.codec import DMDIR, OREAD, OTRUNC, QTDIR, QTFILE, TREAD, Qid, Stat
 from ninep.server import BaseFileSystem
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
+from toolsrv.mcp import McpServers
 from toolsrv.protocol import (
     AGENT_ID_RE,
     CALL_ENV_KEYS,
@@ -213,6 +214,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         self._profiles: dict[str, tuple[tuple[tuple[int, int] | None, ...], sandbox.Profile]] = {}
         self._tmp_made: set[Path] = set()
         self.started = time.time()
+        self.mcp: McpServers | None = None  # MCP servers' tools (toolsrv.mcp), if configured
 
     # ---- identity -------------------------------------------------------------------
 
@@ -572,6 +574,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         return prof
 
     async def _execute(self, agent: Agent, info: ToolInfo, req: CallRequest) -> CallResult:
+        if info.server and self.mcp is not None:  # a tool of an MCP server (toolsrv.mcp)
+            return await self.mcp.call(info, req.args, self.tmp_dir(req, agent))
         try:
             profile = self.profile(info.sandbox)
         except sandbox.SandboxError as err:
