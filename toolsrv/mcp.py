@@ -84,6 +84,8 @@ MAX_LINE = 64 << 20
 MAX_TEXT = 1 << 20
 """What toolsrv keeps of one result, as it keeps 1 MiB of a script's output; the 32 KiB
 the model sees is cut by olliefs, like any result."""
+LIST_WAIT = 15.0
+"""Seconds a listing of ``tools/`` waits for the MCP servers being listed."""
 SCAN_AGE = 1.0
 """A scan of the config dirs is trusted until a watched dir changes, and this long at most
 (a dir made later, a symlinked file's target edited elsewhere)."""
@@ -237,7 +239,7 @@ class _Server:
     error: str = ""
     listing: list[Listed] | None = None
     tools: dict[str, ToolInfo] = field(default_factory=dict)
-    listing_task: bool = False
+    listed: trio.Event | None = None  # set when the listing under way ends
     conn: _Conn | None = None
     starting: trio.Event | None = None
     start_error: str = ""
@@ -286,6 +288,15 @@ class McpServers:
             self._scanned = now
             self._scan()
         return self._tools
+
+    async def settled(self) -> None:
+        """Wait (`LIST_WAIT` at most) for the listings under way, a new file's among them:
+        a listing of ``tools/`` right after a server file was written shows its tools."""
+        self.tools()
+        with trio.move_on_after(LIST_WAIT):
+            for srv in list(self.servers.values()):
+                if srv.listed is not None:
+                    await srv.listed.wait()
 
     def errors(self) -> dict[str, str]:
         return {s.path: s.error for s in self.servers.values() if s.error}
@@ -422,8 +433,8 @@ class McpServers:
     # ---- listing ------------------------------------------------------------------------
 
     def _list_later(self, srv: _Server) -> None:
-        if not srv.listing_task:
-            srv.listing_task = True
+        if srv.listed is None:
+            srv.listed = trio.Event()
             self.nursery.start_soon(self._list, srv, name=f"mcp list {srv.name}")
 
     async def _list(self, srv: _Server) -> None:
@@ -447,7 +458,9 @@ class McpServers:
                 conn.scope.cancel()
                 await conn.dead.wait()
         finally:
-            srv.listing_task = False
+            assert srv.listed is not None
+            srv.listed.set()
+            srv.listed = None
 
     async def _relist(self, srv: _Server, conn: _Conn) -> None:
         import anyio

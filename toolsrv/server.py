@@ -40,7 +40,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -300,6 +300,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         kind = TREE[node.kind]
         if not kind.is_dir:
             raise NinePError("not a directory")
+        if node.kind == "tools" and self.mcp is not None:
+            await self.mcp.settled()  # a server's new file lists its tools first (toolsrv.mcp)
         children = [
             Node(node.agent, fkind, fname, arg=node.arg, proc=node.proc)
             for fname, fkind in kind.files
@@ -673,7 +675,11 @@ def _result_waits(handle: Handle) -> bool:
 
 TREE: dict[str, Kind] = {
     "root": _dir("root", (("tools", "tools"), ("agent", "agent"), ("proc", "procdir"))),
-    "tools": _dir("root", children=ToolServer._tools, child=ToolServer._tool_named),
+    # A task per listing: it may wait for an MCP server's tools to be listed.
+    "tools": replace(
+        _dir("root", children=ToolServer._tools, child=ToolServer._tool_named),
+        waits=lambda handle: True,
+    ),
     "tool": _dir("tools", (("meta", "meta"), ("schema", "schema")), alive=_tool_alive),
     "meta": Kind(snapshot=ToolServer._meta),
     "schema": Kind(snapshot=ToolServer._schema),
