@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +48,57 @@ def test_model_calls_an_mcp_tool_and_the_answer_reaches_chat(daemon: Daemon) -> 
     assert chat.endswith("assistant: it is late in Paris\n")
     assert "mcp_time_get_current_time" in sent_tools(daemon, 0)
     assert daemon.read(f"s/{sid}/tcct") == "1\n"
+
+
+async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -> None:
+    """The SDK's own client against ``ollie mcp`` (stdio): create, prompt with progress,
+    read, and resume by id after the daemon restarted."""
+    import mcp_types as types
+    from mcp.client.session import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    daemon.replay.add(script(reply("the first answer"), reply("the answer after a restart")))
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "olliefs.cli", "mcp", str(daemon.path)],
+        env={k: v for k, v in daemon.env.items() if isinstance(v, str)},
+    )
+
+    def data(res: types.CallToolResult) -> dict[str, Any]:
+        assert not res.is_error, res.content
+        assert res.structured_content is not None
+        return dict(res.structured_content)
+
+    async with stdio_client(params) as (r, w), ClientSession(r, w) as client:
+        await client.initialize()
+        names = {t.name for t in (await client.list_tools()).tools}
+        assert {"session_create", "session_prompt", "session_chat", "session_fork"} <= names
+        made = data(
+            await client.call_tool("session_create", {"name": "m", "cwd": str(daemon.work)})
+        )
+        assert made["session"] == "m" and made["state"] == "idle"
+        streamed: list[str] = []
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            streamed.append(message or "")
+
+        res = data(
+            await client.call_tool(
+                "session_prompt", {"session": "m", "text": "hello"}, progress_callback=on_progress
+            )
+        )
+        assert res["session"] == "m" and res["state"] == "idle"
+        assert "assistant: the first answer" in res["chat"]
+        assert "the first answer" in "".join(streamed)
+        # A refusal is a tool error with the daemon's reason.
+        bad = await client.call_tool("session_prompt", {"session": "nope", "text": "x"})
+        assert bad.is_error
+        daemon.stop()
+        daemon.start()
+        # Resumed by id: the same server process, the same session, its history kept.
+        res = data(await client.call_tool("session_prompt", {"session": "m", "text": "again"}))
+        assert "assistant: the answer after a restart" in res["chat"]
+        whole = data(await client.call_tool("session_chat", {"session": "m", "offset": 0}))
+        assert "the first answer" in whole["chat"] and "after a restart" in whole["chat"]
+        chat = await client.read_resource("ollie://s/m/chat")
+        assert any("after a restart" in getattr(c, "text", "") for c in chat.contents)
