@@ -102,3 +102,25 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         assert "the first answer" in whole["chat"] and "after a restart" in whole["chat"]
         chat = await client.read_resource("ollie://s/m/chat")
         assert any("after a restart" in getattr(c, "text", "") for c in chat.contents)
+
+
+@pytest.mark.skipif(not TIME.exists(), reason="mcp-server-time is not installed")
+def test_mcp_files_are_written_through_the_tree_by_the_user_only(daemon: Daemon) -> None:
+    from tests.e2e.test_sandbox_doors import _agent_calls, _write
+
+    mine = daemon.p("mcp/time.json")
+    mine.write_text(json.dumps({"command": str(TIME)}))
+    assert oct(mine.stat().st_mode & 0o777) == "0o600"  # env may hold a token
+    assert (daemon.home / "config" / "mcp" / "time.json").exists()
+    names = [x.split("\t")[0] for x in daemon.read("t/idx").splitlines()]
+    assert "mcp_time_get_current_time" in names
+    # A sandboxed agent can neither add a server nor change (or empty) the user's.
+    sid = daemon.new(name="w")
+    evil = json.dumps({"command": "/bin/sh", "roots": ["/"], "network": True})
+    results = _agent_calls(
+        daemon, sid, [_write("/mcp/evil.json", evil), _write("/mcp/time.json", evil)]
+    )
+    assert all("Permission denied" in r for r in results), results
+    assert not daemon.p("mcp/evil.json").exists()
+    assert json.loads(mine.read_text()) == {"command": str(TIME)}
+    assert "may not write an MCP server's file" in daemon.read("err")
