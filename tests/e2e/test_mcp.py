@@ -124,3 +124,65 @@ def test_mcp_files_are_written_through_the_tree_by_the_user_only(daemon: Daemon)
     assert not daemon.p("mcp/evil.json").exists()
     assert json.loads(mine.read_text()) == {"command": str(TIME)}
     assert "may not write an MCP server's file" in daemon.read("err")
+
+
+def test_ollie_mcp_over_http_on_the_loopback_with_a_key(daemon: Daemon, tmp_path: Path) -> None:
+    """Streamable HTTP, with the SDK's client on asyncio (most MCP clients' loop; under
+    trio its HTTP client leaves its stream generators to the garbage collector)."""
+    import socket
+    import subprocess
+
+    import anyio
+    import httpx
+    from mcp.client.session import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    cli = [sys.executable, "-m", "olliefs.cli", "mcp", str(daemon.path)]
+    env = {k: v for k, v in daemon.env.items() if isinstance(v, str)}
+    # Off the loopback without a key: refused before anything listens.
+    off = subprocess.run(
+        [*cli, "--http", "0", "--http-host", "0.0.0.0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert off.returncode == 1 and "--http-key-file" in off.stderr
+    key = tmp_path / "key"
+    key.write_text("s3cret-s3cret-s3cret\n")
+    key.chmod(0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [*cli, "--http", str(port), "--http-key-file", str(key)], env=env, stdin=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}/mcp"
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    async def client_side() -> dict[str, Any]:
+        async with httpx.AsyncClient() as plain:
+            got = await plain.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+            assert got.status_code == 401
+        client = create_mcp_http_client(headers={"Authorization": "Bearer s3cret-s3cret-s3cret"})
+        async with (
+            client,
+            streamable_http_client(url, http_client=client) as (r, w),
+            ClientSession(r, w) as session,
+        ):
+            await session.initialize()
+            res = await session.call_tool("session_create", {"name": "h", "cwd": str(daemon.work)})
+            assert not res.is_error and res.structured_content is not None
+            return dict(res.structured_content)
+
+    try:
+        daemon.wait_for(listening)
+        made = anyio.run(client_side)
+        assert made["session"] == "h" and "h\t" in daemon.read("s/idx")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
