@@ -24,13 +24,16 @@ import errno
 import hmac
 import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
 
 __all__ = ["SessionTree", "build_server", "serve_http", "serve_stdio"]
 
@@ -159,6 +162,7 @@ class SessionTree:
                     if await self.state(sid) == "idle":
                         await self._drain(stream, follow)
                         return
+                    removed = False
                     async with anyio.create_task_group() as tg:
 
                         async def changed(fd: int) -> None:
@@ -166,33 +170,137 @@ class SessionTree:
                             tg.cancel_scope.cancel()
 
                         tg.start_soon(changed, sw)
-                        while True:
+                        while not removed:
                             await anyio.wait_readable(stream)
-                            await self._drain(stream, follow)
+                            removed = await self._drain(stream, follow)
+                        tg.cancel_scope.cancel()
+                    if removed:
+                        raise TreeError(f"the session {sid} was removed")
                 finally:
                     os.close(sw)
         finally:
             os.close(stream)
 
     @staticmethod
-    async def _drain(fd: int, follow: Callable[[str], Awaitable[None]]) -> None:
+    async def _drain(fd: int, follow: Callable[[str], Awaitable[None]]) -> bool:
+        """Hand ``follow`` what can be read now; True at the end of the stream (the
+        session was removed)."""
         pending = b""
+        ended = False
         while True:
             try:
                 chunk = os.read(fd, 65536)
             except BlockingIOError:
                 break
             if not chunk:
+                ended = True
                 break
             pending += chunk
         if pending:
             await follow(pending.decode(errors="replace"))
+        return ended
+
+
+class Watchers:
+    """``ollie://s/ID/chat`` and ``.../context`` change with every event of the session:
+    one task follows the root ``events`` (poll, no thread) and tells both kinds of
+    subscriber, those of ``subscriptions/listen`` (through the SDK's bus) and those of
+    the older ``resources/subscribe``. The events read in one go are told once per
+    session, not once per streamed piece. A daemon restart ends the task (its mount
+    answered EOF or an error); the next subscription or tool call starts it again."""
+
+    def __init__(self, tree: SessionTree, bus: InMemorySubscriptionBus) -> None:
+        self.tree = tree
+        self.bus = bus
+        self.tasks: anyio.abc.TaskGroup | None = None
+        self.following = False
+        self.legacy: dict[str, set[Any]] = {}  # uri -> the sessions of the clients
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            self.tasks = tg
+            self.ensure()
+            try:
+                yield None
+            finally:
+                tg.cancel_scope.cancel()
+                self.tasks = None
+
+    def ensure(self) -> None:
+        if not self.following and self.tasks is not None:
+            self.following = True
+            self.tasks.start_soon(self._follow)
+
+    @staticmethod
+    def uris(sid: str) -> tuple[str, str]:
+        return f"ollie://s/{sid}/chat", f"ollie://s/{sid}/context"
+
+    async def subscribe(self, client: Any, uri: str) -> None:
+        sid = uri.removeprefix("ollie://s/").partition("/")[0]
+        if uri not in self.uris(sid) or not sid:
+            raise TreeError(f"no such resource: {uri} (ollie://s/ID/chat or .../context)")
+        await self.tree.chat_size(sid)  # the session exists
+        self.legacy.setdefault(uri, set()).add(client)
+        self.ensure()
+
+    def unsubscribe(self, client: Any, uri: str) -> None:
+        self.legacy.get(uri, set()).discard(client)
+
+    async def _follow(self) -> None:
+        try:
+            fd = os.open(self.tree.p("events"), os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            self.following = False
+            return
+        try:
+            os.lseek(fd, os.fstat(fd).st_size, os.SEEK_SET)  # what happens from now on
+            rest = b""
+            while True:
+                await anyio.wait_readable(fd)
+                data, ended = b"", False
+                while True:
+                    try:
+                        chunk = os.read(fd, 65536)
+                    except BlockingIOError:
+                        break
+                    if not chunk:
+                        ended = True
+                        break
+                    data += chunk
+                *lines, rest = (rest + data).split(b"\n")
+                sids = set()
+                for line in lines:
+                    try:
+                        sid = json.loads(line).get("session")
+                    except (ValueError, AttributeError):
+                        continue
+                    if isinstance(sid, str):
+                        sids.add(sid)
+                for sid in sorted(sids):
+                    for uri in self.uris(sid):
+                        await self.bus.publish(ResourceUpdated(uri=uri))
+                        for client in list(self.legacy.get(uri, ())):
+                            try:
+                                await client.send_resource_updated(uri)
+                            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                                self.legacy[uri].discard(client)
+                if ended:
+                    return
+        except OSError:
+            pass  # the daemon went away
+        finally:
+            os.close(fd)
+            self.following = False
 
 
 def build_server(tree: SessionTree) -> MCPServer:
     """The MCP server: a tool per thing a user does to a session, resources per session."""
+    watchers = Watchers(tree, InMemorySubscriptionBus())
     app: MCPServer = MCPServer(
         "olliefs",
+        lifespan=lambda _app: watchers.running(),
+        subscriptions=watchers.bus,
         instructions=(
             "Sessions of an olliefs tree: each is an agent with its own history, tools and "
             "working directory. Create one, prompt it, read its chat; keep its id to come "
@@ -201,6 +309,7 @@ def build_server(tree: SessionTree) -> MCPServer:
     )
 
     async def summary(sid: str) -> dict[str, Any]:
+        watchers.ensure()  # (again after a daemon restart)
         return {
             "session": sid,
             "state": await tree.state(sid),
@@ -311,6 +420,22 @@ def build_server(tree: SessionTree) -> MCPServer:
         """The messages the session's next request sends, one JSON object a line."""
         return await tree.read("s", session, "context")
 
+    import mcp_types as types
+
+    async def on_subscribe(ctx: Any, params: types.SubscribeRequestParams) -> types.EmptyResult:
+        try:
+            await watchers.subscribe(ctx.session, str(params.uri))
+        except TreeError as err:
+            raise fail(err) from None
+        return types.EmptyResult()
+
+    async def on_unsubscribe(ctx: Any, params: types.UnsubscribeRequestParams) -> types.EmptyResult:
+        watchers.unsubscribe(ctx.session, str(params.uri))
+        return types.EmptyResult()
+
+    low = app._lowlevel_server  # (MCPServer has no decorator for the legacy subscribe)
+    low.add_request_handler("resources/subscribe", types.SubscribeRequestParams, on_subscribe)
+    low.add_request_handler("resources/unsubscribe", types.UnsubscribeRequestParams, on_unsubscribe)
     _ = (session_create, session_prompt, session_chat, session_state, session_list)
     _ = (session_stop, session_fork, session_rewind, chat_resource, context_resource)
     return app

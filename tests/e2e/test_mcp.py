@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from tests.conftest import Daemon, script
 from tests.e2e.test_tools import call, calls, reply, sent_tools
@@ -56,6 +57,7 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
     import mcp_types as types
     from mcp.client.session import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
+    from mcp.shared.exceptions import MCPDeprecationWarning
 
     daemon.replay.add(script(reply("the first answer"), reply("the answer after a restart")))
     params = StdioServerParameters(
@@ -69,7 +71,17 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         assert res.structured_content is not None
         return dict(res.structured_content)
 
-    async with stdio_client(params) as (r, w), ClientSession(r, w) as client:
+    updated = trio.Event()
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ResourceUpdatedNotification):
+            if message.params.uri == "ollie://s/m/chat":
+                updated.set()
+
+    async with (
+        stdio_client(params) as (r, w),
+        ClientSession(r, w, message_handler=on_message) as client,
+    ):
         await client.initialize()
         names = {t.name for t in (await client.list_tools()).tools}
         assert {"session_create", "session_prompt", "session_chat", "session_fork"} <= names
@@ -82,11 +94,17 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             streamed.append(message or "")
 
+        # The handshake's protocol (2025-11-25) subscribes the older way, which the SDK
+        # calls deprecated (subscriptions/listen needs 2026-07-28; ollie mcp serves both).
+        with pytest.warns(MCPDeprecationWarning):
+            await client.subscribe_resource("ollie://s/m/chat")
         res = data(
             await client.call_tool(
                 "session_prompt", {"session": "m", "text": "hello"}, progress_callback=on_progress
             )
         )
+        with trio.fail_after(20):
+            await updated.wait()  # the subscription saw the chat change
         assert res["session"] == "m" and res["state"] == "idle"
         assert "assistant: the first answer" in res["chat"]
         assert "the first answer" in "".join(streamed)
