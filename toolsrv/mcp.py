@@ -274,8 +274,6 @@ class McpServers:
         self._tools: dict[str, ToolInfo] = {}
         self._watch = Inotify()
         self._watched: set[Path] = set()
-        self.changed = 0  # bumped whenever the tools offered change (tests wait on it)
-        self._changed_event = trio.Event()
 
     # ---- the registry's view ------------------------------------------------------------
 
@@ -298,19 +296,9 @@ class McpServers:
                 if srv.listed is not None:
                     await srv.listed.wait()
 
-    def errors(self) -> dict[str, str]:
-        return {s.path: s.error for s in self.servers.values() if s.error}
-
-    async def wait_changed(self, seen: int) -> int:
-        while self.changed == seen:
-            await self._changed_event.wait()
-        return self.changed
-
-    def _bump(self) -> None:
+    def _rebuild(self) -> None:
+        """The tools offered: every server's, after a listing or a file changed."""
         self._tools = {n: i for s in self.servers.values() for n, i in s.tools.items()}
-        self.changed += 1
-        self._changed_event.set()
-        self._changed_event = trio.Event()
 
     def _scan(self) -> None:
         found: dict[str, tuple[str, tuple[int, int, int]]] = {}
@@ -351,7 +339,7 @@ class McpServers:
             if srv.config is not None and srv.listing is None:
                 self._list_later(srv)
         if dirty:
-            self._bump()
+            self._rebuild()
 
     def _load(self, name: str, path: str, sig: tuple[int, int, int]) -> _Server:
         try:
@@ -448,7 +436,7 @@ class McpServers:
             except McpFailure as err:
                 srv.error = str(err)
                 log.warning("MCP server %s: %s", srv.name, err)
-                self._bump()
+                self._rebuild()
                 return
             try:
                 await self._relist(srv, conn)
@@ -481,7 +469,7 @@ class McpServers:
         except (MCPError, trio.TooSlowError, anyio.ClosedResourceError) as err:
             srv.error = f"{srv.path}: listing its tools failed: {err or 'timed out'}"
             log.warning("MCP server %s: %s", srv.name, srv.error)
-            self._bump()
+            self._rebuild()
             return
         if self.servers.get(srv.name) is not srv:
             return  # its file changed meanwhile
@@ -489,7 +477,7 @@ class McpServers:
         self._set_listing(srv, [_listed(t) for t in tools])
         self._write_cache(srv)
         log.info("MCP server %s: %d tools", srv.name, len(srv.tools))
-        self._bump()
+        self._rebuild()
 
     # ---- starting -----------------------------------------------------------------------
 

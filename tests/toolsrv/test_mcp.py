@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -270,3 +271,39 @@ async def test_a_stdio_server_is_sandboxed_like_every_tool(tmp_path: Path, work:
                 assert not res.isError, res.text
     finally:
         listener.close()
+
+
+GIT = BIN / "mcp-server-git"
+
+
+@pytest.mark.skipif(not GIT.exists(), reason="mcp-server-git is not installed")
+async def test_the_git_reference_server_reads_a_repository_and_cannot_touch_its_git_dir(
+    tmp_path: Path, work: Path
+) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *cmd], cwd=repo, check=True)
+    (repo / "a.txt").write_text("hello\n")
+    config = server_file(
+        tmp_path / "mcp",
+        "git",
+        command=str(GIT),
+        args=["--repository", str(repo)],
+        roots=[str(repo)],
+        allowTools=["git_status", "git_add"],
+    )
+    with running_toolsrv(tmp_path / "s", extra_args=mcp_args(tmp_path)) as srv:
+        names = await listed(srv, config)
+        assert {n for n in names if n.startswith("mcp_git_")} == {
+            "mcp_git_git_status",
+            "mcp_git_git_add",
+        }
+        async with srv.agent("a1", "mcp_git_git_status", "mcp_git_git_add") as conn:
+            res = await conn.call("mcp_git_git_status", {"repo_path": str(repo)}, str(work), {})
+            assert not res.isError and "a.txt" in res.text, res.text
+            # Its root is writable, but every .git beneath a root is read-only to tools.
+            args = {"repo_path": str(repo), "files": ["a.txt"]}
+            res = await conn.call("mcp_git_git_add", args, str(work), {})
+            assert res.isError and "Read-only file system" in res.text, res.text
+            assert not (repo / ".git" / "index").exists()
