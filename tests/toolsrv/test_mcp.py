@@ -307,3 +307,47 @@ async def test_the_git_reference_server_reads_a_repository_and_cannot_touch_its_
             res = await conn.call("mcp_git_git_add", args, str(work), {})
             assert res.isError and "Read-only file system" in res.text, res.text
             assert not (repo / ".git" / "index").exists()
+
+
+HTTP_SERVER = textwrap.dedent(
+    """\
+    import sys
+    from mcp.server.mcpserver import MCPServer
+
+    app = MCPServer("web")
+
+    @app.tool()
+    def shout(text: str) -> str:
+        \"\"\"Say it louder.\"\"\"
+        return text.upper()
+
+    app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    """
+)
+
+
+async def test_a_streamable_http_server_by_url(tmp_path: Path, work: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "web.py"
+    script.write_text(HTTP_SERVER)
+    logs = tmp_path / "web.log"
+    with open(logs, "wb") as out:
+        web = subprocess.Popen([sys.executable, str(script), str(port)], stdout=out, stderr=out)
+    try:
+        await await_until(
+            lambda: b"running on" in logs.read_bytes().lower(),
+            "the HTTP server listening",
+            files=[logs],
+            exits=[web.pid],
+        )
+        config = server_file(tmp_path / "mcp", "web", url=f"http://127.0.0.1:{port}/mcp")
+        with running_toolsrv(tmp_path / "s", extra_args=mcp_args(tmp_path)) as srv:
+            assert "mcp_web_shout" in await listed(srv, config)
+            async with srv.agent("a1", "mcp_web_shout") as conn:
+                res = await conn.call("mcp_web_shout", {"text": "hey"}, str(work), {})
+                assert not res.isError and res.text == "HEY", res.text
+    finally:
+        web.terminate()
+        web.wait(timeout=20)
