@@ -33,6 +33,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
 
 __all__ = ["SessionTree", "build_server", "serve_http", "serve_stdio"]
@@ -319,7 +320,8 @@ def build_server(tree: SessionTree) -> MCPServer:
         }
 
     def fail(err: TreeError) -> Exception:
-        return ValueError(str(err))
+        # The SDK's expected tool error: a result with isError and this text, no traceback.
+        return ToolError(str(err))
 
     @app.tool()
     async def session_create(

@@ -110,7 +110,7 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         assert "the first answer" in "".join(streamed)
         # A refusal is a tool error with the daemon's reason.
         bad = await client.call_tool("session_prompt", {"session": "nope", "text": "x"})
-        assert bad.is_error
+        assert bad.is_error and "no such session: nope" in str(bad.content)
         daemon.stop()
         daemon.start()
         # Resumed by id: the same server process, the same session, its history kept.
@@ -120,6 +120,14 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         assert "the first answer" in whole["chat"] and "after a restart" in whole["chat"]
         chat = await client.read_resource("ollie://s/m/chat")
         assert any("after a restart" in getattr(c, "text", "") for c in chat.contents)
+        fork = data(await client.call_tool("session_fork", {"session": "m", "name": "m2"}))
+        assert fork["session"] == "m2" and "m2\t" in daemon.read("s/idx")
+        data(await client.call_tool("session_rewind", {"session": "m", "turns": 1}))
+        assert "after a restart" not in daemon.read("s/m/chat").split(":: rewound")[-1]
+        assert "after a restart" in daemon.read("s/m2/context")
+        assert data(await client.call_tool("session_stop", {"session": "m"}))["state"] == "idle"
+        state = data(await client.call_tool("session_state", {"session": "m2"}))
+        assert state["usage"] and state["cost"].startswith("costLast=")
 
 
 @pytest.mark.skipif(not TIME.exists(), reason="mcp-server-time is not installed")
