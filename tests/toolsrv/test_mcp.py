@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not TIME.exists(), reason="mcp-server-time is no
 TINY = textwrap.dedent(
     """\
     import os, socket, sys, time
-    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver import Context, MCPServer
 
     app = MCPServer("tiny")
 
@@ -58,6 +58,18 @@ TINY = textwrap.dedent(
         with open(path, "w") as f:
             f.write("x")
         return "written"
+
+    @app.tool()
+    async def grow(ctx: Context) -> str:
+        \"\"\"Offer one tool more, and say so.\"\"\"
+
+        def extra() -> str:
+            \"\"\"A tool that was not there at first.\"\"\"
+            return "extra"
+
+        app.add_tool(extra)
+        await ctx.request_context.session.send_tool_list_changed()
+        return "grown"
 
     @app.tool()
     def connect(port: int) -> str:
@@ -351,3 +363,19 @@ async def test_a_streamable_http_server_by_url(tmp_path: Path, work: Path) -> No
     finally:
         web.terminate()
         web.wait(timeout=20)
+
+
+async def test_a_server_that_announces_new_tools_is_listed_again(
+    tmp_path: Path, work: Path
+) -> None:
+    config = tiny(tmp_path, tmp_path / "mcp")
+    cache = tmp_path / "cache" / "tiny.json"
+    with running_toolsrv(tmp_path / "s", extra_args=mcp_args(tmp_path)) as srv:
+        assert "mcp_tiny_extra" not in await listed(srv, config)
+        async with srv.agent("a1", "mcp_tiny_grow") as conn:
+            res = await conn.call("mcp_tiny_grow", {}, str(work), {})
+            assert not res.isError and res.text == "grown", res.text
+            await await_until(
+                lambda: "extra" in cache.read_text(), "the new listing cached", files=[cache]
+            )
+            assert "mcp_tiny_extra" in await conn.names()
