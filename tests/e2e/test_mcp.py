@@ -212,3 +212,32 @@ def test_ollie_mcp_over_http_on_the_loopback_with_a_key(daemon: Daemon, tmp_path
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_stop_cuts_a_hanging_mcp_call_and_the_server_serves_the_next(daemon: Daemon) -> None:
+    from tests.toolsrv.test_mcp import TINY
+
+    server = daemon.base / "tiny.py"
+    server.write_text(TINY)
+    mcp = daemon.home / "config" / "mcp"
+    mcp.mkdir(parents=True, exist_ok=True)
+    (mcp / "tiny.json").write_text(json.dumps({"command": sys.executable, "args": [str(server)]}))
+    assert "mcp_tiny_hang\t" in daemon.read("t/idx")
+    daemon.replay.add(
+        script(
+            calls(call("mcp_tiny_hang", {}, "c1")),
+            calls(call("mcp_tiny_echo", {"text": "still here"}, "c2")),
+            reply("done"),
+        )
+    )
+    sid = daemon.new(name="t", cwd=str(daemon.work))
+    daemon.write(f"s/{sid}/ctl", "tool_load mcp_tiny_hang\ntool_load mcp_tiny_echo")
+    daemon.prompt(sid, "hang")
+    daemon.wait_chat(sid, "-> mcp_tiny_hang")
+    daemon.write(f"s/{sid}/ctl", "stop")
+    daemon.wait_idle(sid)
+    daemon.prompt(sid, "again")
+    daemon.wait_idle(sid)
+    chat = daemon.read(f"s/{sid}/chat")
+    assert "echo: still here" in chat.split("-> mcp_tiny_echo")[1], chat
+    assert chat.endswith("assistant: done\n")
