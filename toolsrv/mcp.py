@@ -193,6 +193,7 @@ class _Conn:
     dead: trio.Event = field(default_factory=trio.Event)
     exit: ExecResult | None = None  # what the process did, once it ended
     gone: str = ""  # why the connection ended, for the calls it cut
+    called: bool = False  # a call used it: a listing that started it leaves it running
 
 
 @dataclass(eq=False)
@@ -428,8 +429,13 @@ class McpServers:
     async def _list(self, srv: _Server) -> None:
         """List a server's tools: on the running connection, or by starting it once."""
         try:
-            if srv.conn is not None:
-                await self._relist(srv, srv.conn)
+            if srv.conn is not None or srv.starting is not None:
+                # Running, or being started by a call: list on that connection.
+                try:
+                    await self._relist(srv, await self._connection(srv))
+                except McpFailure as err:
+                    srv.error = str(err)
+                    self._rebuild()
                 return
             try:
                 conn = await self._start(srv)
@@ -441,10 +447,12 @@ class McpServers:
             try:
                 await self._relist(srv, conn)
             finally:
-                # Started only to list: stop it again, nothing may run before a call.
-                conn.gone = conn.gone or "stopped after listing"
-                conn.scope.cancel()
-                await conn.dead.wait()
+                # Started only to list: stop it again, nothing may run before a call
+                # (unless a call came meanwhile and uses it).
+                if not conn.called:
+                    conn.gone = conn.gone or "stopped after listing"
+                    conn.scope.cancel()
+                    await conn.dead.wait()
         finally:
             assert srv.listed is not None
             srv.listed.set()
@@ -726,6 +734,7 @@ class McpServers:
             return _error(f"the MCP server {info.server} is no longer configured")
         try:
             conn = await self._connection(srv)
+            conn.called = True
         except McpFailure as err:
             return _error(f"{err}\n(the call did not run; the next call starts it again)")
         timeout = info.timeout
