@@ -327,18 +327,22 @@ def build_server(tree: SessionTree) -> MCPServer:
     async def session_create(
         name: str = "", cwd: str = "", agent: str = "", backend: str = "", model: str = ""
     ) -> dict[str, Any]:
-        """Create a session (an agent at work in cwd, an absolute directory); returns its
-        id, which later calls take as `session`."""
+        """Create a session (an agent at work in cwd, an absolute directory; default: where
+        this server was started); returns its id, which later calls take as `session`."""
         try:
-            sid = await tree.create(name=name, cwd=cwd, agent=agent, backend=backend, model=model)
+            sid = await tree.create(
+                name=name, cwd=cwd or os.getcwd(), agent=agent, backend=backend, model=model
+            )
             return await summary(sid)
         except TreeError as err:
             raise fail(err) from None
 
     @app.tool()
     async def session_prompt(session: str, text: str, ctx: Context) -> dict[str, Any]:
-        """Send a prompt and wait for the turn to end; the text streamed meanwhile comes
-        as progress notifications. Returns the chat written by this turn."""
+        """Send a prompt and wait until the session is idle (this turn, and any queued
+        before it, done); the text streamed meanwhile comes as progress notifications.
+        Returns the chat written since the prompt. Cancelling the request stops the
+        waiting, not the turn (session_stop does that)."""
         try:
             start = await tree.chat_size(session)
             await tree.write(session, "prompt", text)

@@ -64,6 +64,7 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         command=sys.executable,
         args=["-m", "olliefs.cli", "mcp", str(daemon.path)],
         env={k: v for k, v in daemon.env.items() if isinstance(v, str)},
+        cwd=str(daemon.work),  # where a client such as Claude Code starts it: its project
     )
 
     def data(res: types.CallToolResult) -> dict[str, Any]:
@@ -85,10 +86,9 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         await client.initialize()
         names = {t.name for t in (await client.list_tools()).tools}
         assert {"session_create", "session_prompt", "session_chat", "session_fork"} <= names
-        made = data(
-            await client.call_tool("session_create", {"name": "m", "cwd": str(daemon.work)})
-        )
+        made = data(await client.call_tool("session_create", {"name": "m"}))
         assert made["session"] == "m" and made["state"] == "idle"
+        assert f"cwd={daemon.work}\n" in daemon.read("s/m/cfg")
         streamed: list[str] = []
 
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
