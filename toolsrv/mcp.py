@@ -71,6 +71,8 @@ __all__ = ["MAX_NAME", "McpServers", "ServerConfig", "parse_config", "tool_name"
 
 log = logging.getLogger(__name__)
 
+MAX_DESCRIPTION = 1024
+"""Characters of a tool's description kept (the providers' smallest limit)."""
 MAX_NAME = 64
 """What providers accept as a function name (OpenAI, Anthropic, Gemini alike)."""
 SERVER_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
@@ -181,7 +183,16 @@ def _listed(tool: types.Tool) -> Listed:
         schema = {"type": "object", "properties": {}}
     schema.setdefault("properties", {})
     ro = bool(tool.annotations is not None and tool.annotations.read_only_hint)
-    return Listed(tool.name, tool.description or tool.title or tool.name, schema, ro)
+    return Listed(tool.name, one_line(tool.description or tool.title or tool.name), schema, ro)
+
+
+def one_line(text: str) -> str:
+    """A description as tools declare theirs: one line (``t/idx`` is tab-separated lines),
+    at most `MAX_DESCRIPTION` characters (what OpenAI takes)."""
+    text = " ".join(text.split())
+    if len(text) > MAX_DESCRIPTION:
+        text = text[: MAX_DESCRIPTION - 1].rstrip() + "\u2026"
+    return text
 
 
 @dataclass(eq=False)
@@ -380,7 +391,7 @@ class McpServers:
                 continue
             infos[name] = ToolInfo(
                 name=name,
-                description=t.description,
+                description=one_line(t.description),  # (a cache may be older)
                 args=t.schema,
                 tier="cold" if t.read_only else "hot",
                 parallel=t.read_only,

@@ -38,3 +38,19 @@ def test_text_resources_images_and_structured_content(tmp_path: Path) -> None:
     assert err.isError and "srv reported an error" in err.text
     bad = types.CallToolResult(content=[types.ImageContent(data="%%%", mime_type="image/png")])
     assert "not valid base64" in render(bad, tmp_path, "srv").text
+
+
+def test_a_listed_tool_has_a_one_line_description_and_an_object_schema() -> None:
+    from toolsrv.mcp import MAX_DESCRIPTION, _listed
+
+    tool = types.Tool(
+        name="t",
+        description="Line one.\n\n\tLine\ttwo " + "x" * 2000,
+        input_schema={"type": "object"},
+        annotations=types.ToolAnnotations(read_only_hint=True),
+    )
+    listed = _listed(tool)
+    assert listed.description.startswith("Line one. Line two x")
+    assert "\n" not in listed.description and "\t" not in listed.description
+    assert len(listed.description) == MAX_DESCRIPTION
+    assert listed.schema == {"type": "object", "properties": {}} and listed.read_only
