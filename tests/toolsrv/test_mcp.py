@@ -72,6 +72,12 @@ TINY = textwrap.dedent(
         return "grown"
 
     @app.tool()
+    def read(path: str) -> str:
+        \"\"\"Read a file.\"\"\"
+        with open(path) as f:
+            return f.read()
+
+    @app.tool()
     def connect(port: int) -> str:
         \"\"\"Open a TCP connection to the loopback.\"\"\"
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -219,7 +225,12 @@ async def test_a_server_that_dies_mid_call_gives_an_error_and_is_started_again(
             assert "exited (exit status 3)" in res.text and "call was cut" in res.text
             res = await conn.call("mcp_tiny_echo", {"text": "two"}, str(work), {})
             assert not res.isError and res.text.startswith("echo: two"), res.text
-            assert res.text.rsplit("pid ", 1)[1] != first_pid
+            second_pid = res.text.rsplit("pid ", 1)[1]
+            assert second_pid != first_pid
+            # One process per server, shared by the agents.
+            async with srv.agent("a2", "mcp_tiny_echo") as other:
+                res = await other.call("mcp_tiny_echo", {"text": "three"}, str(work), {})
+                assert res.text.rsplit("pid ", 1)[1] == second_pid, res.text
             # Arguments the server refuses are an error the model reads, too.
             res = await conn.call("mcp_tiny_echo", {"nope": 1}, str(work), {})
             assert res.isError and "text" in res.text
@@ -263,11 +274,17 @@ async def test_a_stdio_server_is_sandboxed_like_every_tool(tmp_path: Path, work:
     port = listener.getsockname()[1]
     mcp_dir = tmp_path / "mcp"
     path = tiny(tmp_path, mcp_dir, roots=[str(root)])
+    secret = root / "secret"  # a hidden path (as olliefs hides its config, keys included)
+    secret.mkdir()
+    (secret / "key").write_text("k")
+    hide = ("--hide", str(secret))
     try:
-        with running_toolsrv(tmp_path / "s", extra_args=mcp_args(tmp_path)) as srv:
+        with running_toolsrv(tmp_path / "s", extra_args=(*mcp_args(tmp_path), *hide)) as srv:
             await listed(srv, path)
-            tools = ("mcp_tiny_write", "mcp_tiny_connect", "mcp_tiny_echo")
+            tools = ("mcp_tiny_write", "mcp_tiny_connect", "mcp_tiny_echo", "mcp_tiny_read")
             async with srv.agent("a1", *tools) as conn:
+                res = await conn.call("mcp_tiny_read", {"path": str(secret / "key")}, str(work), {})
+                assert res.isError, res.text
                 res = await conn.call("mcp_tiny_write", {"path": str(root / "f")}, str(work), {})
                 assert not res.isError and (root / "f").exists(), res.text
                 for target in (outside / "f", work / "f"):
