@@ -464,6 +464,10 @@ class McpServers:
                     conn.gone = conn.gone or "stopped after listing"
                     conn.scope.cancel()
                     await conn.dead.wait()
+        except Exception as err:  # a server's odd answer must not take toolsrv down
+            srv.error = f"{srv.path}: listing its tools failed: {type(err).__name__}: {err}"
+            log.warning("MCP server %s: %s", srv.name, srv.error)
+            self._rebuild()
         finally:
             assert srv.listed is not None
             srv.listed.set()
