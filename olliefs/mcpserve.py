@@ -198,7 +198,9 @@ class SessionTree:
                 break
             pending += chunk
         if pending:
-            await follow(pending.decode(errors="replace"))
+            # Read is read: a cancel (the state changed meanwhile) must not lose it.
+            with anyio.CancelScope(shield=True):
+                await follow(pending.decode(errors="replace"))
         return ended
 
 
