@@ -22,7 +22,7 @@ _ollie_replay_flags=
 _ollie() {
     local cur=${COMP_WORDS[COMP_CWORD]} prev=
     ((COMP_CWORD > 0)) && prev=${COMP_WORDS[COMP_CWORD - 1]}
-    local commands="mount umount status doctor build-pyfuse3 install-helpers man replay-server"
+    local commands="mount umount status doctor build-pyfuse3 install-helpers man replay-server mcp"
     COMPREPLY=()
     if ((COMP_CWORD == 1)); then
         mapfile -t COMPREPLY < <(compgen -W "$commands -h --help" -- "$cur")
@@ -50,6 +50,21 @@ _ollie() {
         if [[ $cur != -* ]]; then
             compopt -o filenames
             mapfile -t COMPREPLY < <(compgen -d -- "$cur")
+            return
+        fi ;;
+    mcp)
+        flags="--http --http-host --http-key-file -h --help"
+        case $prev in
+        --http | --http-host) return ;;
+        --http-key-file)
+            compopt -o filenames
+            mapfile -t COMPREPLY < <(compgen -f -- "$cur")
+            return ;;
+        esac
+        if [[ $cur != -* ]]; then
+            compopt -o filenames
+            local IFS=$'\n'
+            mapfile -t COMPREPLY < <(compgen -W "$(_ollie_mounts)" -- "$cur")
             return
         fi ;;
     umount | status)

@@ -136,3 +136,10 @@ def tool_guard(head: bytes) -> str | None:
         f"a sandboxed process may not write a tool with the sandbox profile {wider[0]!r} "
         f"(only {allowed})"
     )
+
+
+def mcp_guard(head: bytes) -> str:
+    """A sandboxed writer may leave no MCP server file at all (``mcp/``): a server's file
+    names the command toolsrv runs and the rights it gets (roots, network), more than
+    any tool of the writer's own profile."""
+    return "a sandboxed process may not write an MCP server's file (they are the user's)"

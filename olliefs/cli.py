@@ -657,6 +657,37 @@ def cmd_replay(argv: list[str]) -> int:
     return run_cli(argv)
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """``ollie mcp``: olliefs.mcpserve over the mount (this state dir's by default)."""
+    if args.mountpoint is not None:
+        mnt = mounts.canonical(args.mountpoint)
+        if mounts.status(mnt).state is not mounts.State.LIVE:
+            raise CliError(f"not a live olliefs mount: {mnt}")
+    else:
+        running = _daemon_pid(paths())
+        if running is None:
+            raise CliError(f"not mounted (start it with: {PROG} mount)")
+        mnt = running[1]
+    # The 9P export's rule, and its key file checks (0600, 16 characters at least).
+    from olliefs.fs import export9p
+
+    key = None
+    if args.http_key_file:
+        try:
+            key = export9p.read_key(args.http_key_file)
+        except export9p.AddressError as err:
+            raise CliError(str(err).replace("9P key file", "--http-key-file")) from None
+    from olliefs import mcpserve
+
+    if args.http is None:
+        mcpserve.serve_stdio(Path(mnt))
+        return 0
+    if not export9p.is_loopback(args.http_host) and key is None:
+        raise CliError("--http off the loopback needs --http-key-file (the secret clients send)")
+    mcpserve.serve_http(Path(mnt), args.http_host, args.http, key)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """Every subcommand and flag (ollie(1) and the bash completion are checked against it)."""
     ap = argparse.ArgumentParser(prog=PROG, description="olliefs: an agent runtime as a file tree")
@@ -716,6 +747,18 @@ def parser() -> argparse.ArgumentParser:
     mp.add_argument("--path", action="store_true", help="print the page's file instead")
     mp.set_defaults(fn=cmd_man)
     sub.add_parser("replay-server", help="run the replay LLM server (see --help)")
+    mc = sub.add_parser("mcp", help="serve the mounted tree's sessions to MCP clients (stdio)")
+    mc.add_argument("mountpoint", nargs="?", help="the mount to serve (default: this state dir's)")
+    mc.add_argument("--http", type=int, metavar="PORT", help="streamable HTTP on PORT instead")
+    mc.add_argument(
+        "--http-host", default="127.0.0.1", metavar="HOST", help="where --http listens (loopback)"
+    )
+    mc.add_argument(
+        "--http-key-file",
+        metavar="FILE",
+        help="HTTP clients must send Authorization: Bearer with this file's text",
+    )
+    mc.set_defaults(fn=cmd_mcp)
     return ap
 
 

@@ -56,8 +56,9 @@ def test_ollie_1_names_every_subcommand_and_flag() -> None:
 
 # The placeholder ollie(5) uses for the files of each folder on disk (generated ones and
 # u/complete are named as they are).
-FOLDER_FILES = {"a": "NAME.json", "m": "NAME", "p": "NAME", "sk": "NAME.md", "t": "TOOL",
-                "tmp": "PATH", "tr": "STAMP-ID.md", "u": "NAME", "x": "NAME"}  # fmt: skip
+FOLDER_FILES = {"a": "NAME.json", "m": "NAME", "mcp": "NAME.json", "p": "NAME",
+                "sk": "NAME.md", "t": "TOOL", "tmp": "PATH", "tr": "STAMP-ID.md", "u": "NAME",
+                "x": "NAME"}  # fmt: skip
 
 
 def _doc_name(rel: Path, sessions: set[str]) -> str:

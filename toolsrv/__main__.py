@@ -26,6 +26,7 @@ import trio
 from ninep.server import serve_unix
 from toolsrv import keeper, namespaces
 from toolsrv.exec import Executor
+from toolsrv.mcp import McpServers
 from toolsrv.registry import ToolRegistry
 from toolsrv.server import ToolServer
 
@@ -59,6 +60,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a path inside a hidden dir that tools may still read and execute (the user's "
         "tool scripts); repeatable",
     )
+    p.add_argument(
+        "--mcp-dir",
+        action="append",
+        default=[],
+        help="dirs of MCP server files <name>.json; earlier dirs win (toolsrv.mcp)",
+    )
+    p.add_argument("--mcp-cache", help="where the tool listings of MCP servers are kept")
     p.add_argument("--key-file", help="master key file (default: one hex line on stdin)")
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes")
     p.add_argument("--log-level", default="INFO")
@@ -105,6 +113,16 @@ async def serve(
             nursery=nursery,
             executor=executor,
         )
+        if args.mcp_dir:
+            fs.mcp = McpServers(
+                [Path(d) for d in args.mcp_dir],
+                cache=Path(args.mcp_cache) if args.mcp_cache else None,
+                tmp_root=tmp_root,
+                executor=executor,
+                nursery=nursery,
+                profile=fs.profile,
+            )
+            fs.registry.extra = fs.mcp.tools
         await nursery.start(serve_unix, args.socket, fs)
         log.info("serving %s (tools: %s)", args.socket, ", ".join(map(str, tools)))
         try:

@@ -191,6 +191,8 @@ class ToolInfo(msgspec.Struct, frozen=True):
     timeout: float
     sandbox: str
     path: str
+    server: str = ""  # an MCP server's tool (toolsrv.mcp): the server's name
+    remote: str = ""  # ... and the tool's own name there
 
     def meta(self) -> ToolMeta:
         """The wire form of ``tools/<name>/meta`` (everything but the schema and the path)."""
@@ -399,11 +401,17 @@ class ToolRegistry:
         self._tools: dict[str, ToolInfo] = {}
         self._errors: dict[str, str] = {}
         self._scanned = False
+        # The tools of MCP servers (toolsrv.mcp), offered beside the scripts; a script of
+        # the same name wins.
+        self.extra: Callable[[], dict[str, ToolInfo]] | None = None
+
+    def _all(self) -> dict[str, ToolInfo]:
+        return self._tools if self.extra is None else {**self.extra(), **self._tools}
 
     def tools(self) -> dict[str, ToolInfo]:
         """Name → info of every usable tool, after a rescan of whatever changed."""
         self._maybe_rescan()
-        return dict(self._tools)
+        return dict(self._all())
 
     def _maybe_rescan(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -427,10 +435,10 @@ class ToolRegistry:
 
     def __contains__(self, name: str) -> bool:
         self._maybe_rescan()
-        if name in self._tools:
+        if name in self._all():
             return True
         self._maybe_rescan(force=True)
-        return name in self._tools
+        return name in self._all()
 
     def errors(self) -> dict[str, str]:
         """Path → reason for every file left out (bad header, not executable, ...)."""
@@ -441,7 +449,7 @@ class ToolRegistry:
         """The info of one tool; ``KeyError`` if there is no usable tool of that name."""
         if name not in self:
             raise KeyError(name)
-        return self._tools[name]
+        return self._all()[name]
 
     def _rescan(self) -> None:
         self._watch_dirs()  # first, so that a change during the scan is seen next time

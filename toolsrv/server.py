@@ -40,7 +40,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -59,6 +59,7 @@ from olliewire import (
 )
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
+from toolsrv.mcp import McpServers
 from toolsrv.registry import AgentTools, ToolError, ToolInfo, ToolRegistry
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         self._profiles: dict[str, tuple[tuple[tuple[int, int] | None, ...], sandbox.Profile]] = {}
         self._tmp_made: set[Path] = set()
         self.started = time.time()
+        self.mcp: McpServers | None = None  # MCP servers' tools (toolsrv.mcp), if configured
 
     # ---- identity -------------------------------------------------------------------
 
@@ -298,6 +300,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         kind = TREE[node.kind]
         if not kind.is_dir:
             raise NinePError("not a directory")
+        if node.kind == "tools" and self.mcp is not None:
+            await self.mcp.settled()  # a server's new file lists its tools first (toolsrv.mcp)
         children = [
             Node(node.agent, fkind, fname, arg=node.arg, proc=node.proc)
             for fname, fkind in kind.files
@@ -572,6 +576,8 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         return prof
 
     async def _execute(self, agent: Agent, info: ToolInfo, req: CallRequest) -> CallResult:
+        if info.server and self.mcp is not None:  # a tool of an MCP server (toolsrv.mcp)
+            return await self.mcp.call(info, req.args, self.tmp_dir(req, agent))
         try:
             profile = self.profile(info.sandbox)
         except sandbox.SandboxError as err:
@@ -669,7 +675,11 @@ def _result_waits(handle: Handle) -> bool:
 
 TREE: dict[str, Kind] = {
     "root": _dir("root", (("tools", "tools"), ("agent", "agent"), ("proc", "procdir"))),
-    "tools": _dir("root", children=ToolServer._tools, child=ToolServer._tool_named),
+    # A task per listing: it may wait for an MCP server's tools to be listed.
+    "tools": replace(
+        _dir("root", children=ToolServer._tools, child=ToolServer._tool_named),
+        waits=lambda handle: True,
+    ),
     "tool": _dir("tools", (("meta", "meta"), ("schema", "schema")), alive=_tool_alive),
     "meta": Kind(snapshot=ToolServer._meta),
     "schema": Kind(snapshot=ToolServer._schema),

@@ -162,6 +162,10 @@ class ToolLink:
         log.debug("tools of %s rebuilt at rev %d: %s", self.agent_id, rev, loaded)
 
 
+PREAMBLE_MCP_TOOLS = 20
+"""MCP servers' tools the system prompt lists one by one; past that it counts them."""
+
+
 def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema if schema.get("type") == "object" else {"type": "object", "properties": {}}
 
@@ -193,5 +197,15 @@ def preamble(
         else:
             how = "ask the user to load one (echo tool_load NAME > ctl)"
         lines += ["", f"More tools exist ({how}):"]
-        lines += [f"- {n}: {m.description}" for n, m in more.items()]
+        # Hundreds of MCP servers' tools would drown the prompt: past a few, they are
+        # counted and left to tool_search, which ranks them all by name and description.
+        mcp = [n for n in more if n.startswith("mcp_")]
+        folded = len(mcp) > PREAMBLE_MCP_TOOLS
+        lines += [f"- {n}: {m.description}" for n, m in more.items() if not folded or n not in mcp]
+        if folded:
+            search = "tool_search" in link.wanted or "tool_search" in more
+            lines.append(
+                f"- and {len(mcp)} tools of MCP servers (mcp_SERVER_TOOL)"
+                + (": find one with tool_search (load it first if it is not)" if search else "")
+            )
     return "\n".join(lines) + "\n"

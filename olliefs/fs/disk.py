@@ -356,7 +356,19 @@ class Folder(Dir):
                 top.mkdir(parents=True, exist_ok=True, mode=0o700)
         return top
 
+    def closed_to(self, pid: int, what: str) -> None:
+        """A guard that refuses even an empty file (``mcp/``) refuses a sandboxed caller's
+        open for writing and create outright: nothing is made or truncated."""
+        guard = self.rules.guard
+        if guard is not None and Caller(pid).confined:
+            reason = guard(b"")
+            if reason is not None:
+                if self.refused is not None:
+                    self.refused(f"{what}: {reason}")
+                raise Denied(f"{what}: {reason}")
+
     async def create(self, name: str, mode: int, how: Open) -> tuple[Node, Handle]:
+        self.closed_to(how.pid, f"create {name}")
         path = self._writable_top(name, "create") / name
         acc = how.flags & os.O_ACCMODE
         keep = how.flags & (os.O_APPEND | os.O_TRUNC)
@@ -587,6 +599,8 @@ class FolderFile(File):
         acc = how.flags & os.O_ACCMODE
         if acc != os.O_RDONLY and not (found.top and self.folder.rules.writable):
             raise Denied(f"open {self.name}: read-only")
+        if acc != os.O_RDONLY:
+            self.folder.closed_to(how.pid, f"open {self.name}")
         flags = acc | (how.flags & (os.O_APPEND | os.O_TRUNC)) | self._open_flags()
         with _disk(f"open {self.name}"):
             fd = os.open(found.path, flags)

@@ -12,7 +12,7 @@ import re
 import weakref
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 
-from olliefs.caller import Caller, tool_guard
+from olliefs.caller import Caller, mcp_guard, tool_guard
 from olliefs.errors import DiskError, NotFound, OllieError
 from olliefs.fs.disk import Folder, Generated, Rules, Skills, not_partial
 from olliefs.fs.nodes import (
@@ -410,6 +410,14 @@ def disk_dirs(reg: Registry) -> dict[str, Node]:
         "m": Folder(("m",), p.memory, rules=data),
         "tmp": Folder(("tmp",), p.scratch, rules=Rules(writable=True, follow=False, tree=True)),
         "t": tools,
+        # MCP servers' files (toolsrv.mcp): config mcp/<name>.json, private (env may hold
+        # a token); toolsrv sees a change at its next look and lists the server again.
+        "mcp": Folder(
+            ("mcp",),
+            p.config / "mcp",
+            rules=Rules(writable=True, new_mode=0o600, guard=mcp_guard),
+            refused=reg.refused,
+        ),
         "p": Folder(("p",), p.config / "prompts", [shipped / "prompts"]),
         "sk": Skills(("sk",), p.config / "skills", reg.refused),
         "tr": Folder(

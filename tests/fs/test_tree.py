@@ -53,6 +53,7 @@ def test_root(daemon: Daemon) -> None:
         "events",
         "help",
         "m",
+        "mcp",
         "p",
         "s",
         "sk",

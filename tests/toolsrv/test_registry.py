@@ -603,6 +603,7 @@ EXPECTED = {
     "memory_remember": ("hot", False, "memory"),
     "memory_recall": ("cold", True, "default"),
     "subagent_spawn": ("hot", False, "ollie"),
+    "tool_search": ("cold", True, "default"),
 }
 
 

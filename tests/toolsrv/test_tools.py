@@ -621,3 +621,33 @@ def test_execute_code_ends_with_the_program_not_its_background_children(
             "[background processes were still running when the program exited: "
             "they end with this call]\n"
         ), text
+
+
+def test_tool_search_ranks_the_tools_the_session_may_load(env: dict[str, str], run: Run) -> None:
+    session = Path(env["OLLIE"]) / "s" / SESSION
+    (session / "t").mkdir()
+    schema = '{"type":"object"}'
+    many = [f"mcp_big_op{i}\tDo thing number {i}.\t{schema}\thot\tserial" for i in range(300)]
+    lines = [
+        f"file_read\tRead a text file with line numbers.\t{schema}\tcold\tparallel",
+        f"mcp_time_get_current_time\tGet the current time in a timezone.\t{schema}\tcold\tparallel",
+        f"mcp_time_convert_time\tConvert a time between timezones.\t{schema}\tcold\tparallel",
+        *many,
+    ]
+    (session / "t" / "idx").write_text("\n".join(lines) + "\n")
+    (session / "tools").write_text(
+        "client_9p\thot\tserial\nmcp_time_convert_time\tcold\tparallel\n"
+    )
+    r = run("tool_search", {"query": "current time zone"})
+    assert r.rc == 0, r.err
+    out = r.out.splitlines()
+    assert out[0].startswith("mcp_time_get_current_time (not loaded): Get the current time")
+    assert out[1].startswith("mcp_time_convert_time (loaded):")
+    assert "tool_load NAME" in out[-1] and not any("file_read" in x for x in out)
+    r = run("tool_search", {"query": "thing", "limit": 3})
+    assert r.rc == 0 and "... 297 more match" in r.out
+    r = run("tool_search", {"query": "quantum teleport"})
+    assert r.rc == 0 and "no tool matches" in r.out
+    for bad in ({}, {"query": "  "}, {"query": "x", "limit": 0}):
+        r = run("tool_search", bad)
+        assert r.rc == 1 and r.err.startswith("tool_search: "), bad
