@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "olliefs.daemon": 6,
     "olliefs.doctor": 6,
     "olliefs.__main__": 6,
+    "olliefs.mcpserve": 6,  # sessions served over MCP, through the mounted tree only
     "olliefs.testing": 7,  # the tests' harness, which starts a toolsrv of its own
 }
 SHARED = {1, 6}  # the layers whose parts may import each other
