@@ -39,8 +39,9 @@ import logging
 import os
 import socket as _socket
 import stat as _stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NoReturn, Protocol, TypeVar
 
 import trio
 
@@ -947,6 +948,49 @@ def clear_stale_socket(path: str) -> None:
     raise OSError(errno.EADDRINUSE, "a server is already listening", path)
 
 
+# What accept(2) fails with when the process or the system runs short of descriptors or
+# memory: that passes as connections close, so (as trio.serve_listeners does) the loop
+# waits a little and tries again. Any other error will not mend by trying again.
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY_SECONDS = 0.1
+
+S = TypeVar("S", bound=trio.abc.AsyncResource)
+
+
+async def accept_loop(
+    listener: trio.abc.Listener[S], start: Callable[[S], object], name: str
+) -> NoReturn:
+    """Accept clients on ``listener`` for ever, giving each to ``start`` (which starts the
+    task that serves it), by trio.serve_listeners' rule.
+
+    Out of descriptors or memory (``ACCEPT_CAPACITY_ERRNOS``), the clients connected
+    go on and the loop tries again every ``ACCEPT_RETRY_SECONDS``: logged once when it
+    starts failing, once when it accepts again, not at every try. Any other ``OSError``
+    ends the loop (raised), as it ends serve_listeners.
+    """
+    failing = False
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as err:
+            if err.errno not in ACCEPT_CAPACITY_ERRNOS:
+                raise
+            if not failing:
+                logger.warning(
+                    "9P accept on %s failed: %s; trying again every %g s",
+                    name,
+                    err,
+                    ACCEPT_RETRY_SECONDS,
+                )
+                failing = True
+            await trio.sleep(ACCEPT_RETRY_SECONDS)
+            continue
+        if failing:
+            logger.info("9P accept on %s works again", name)
+            failing = False
+        start(stream)
+
+
 async def _serve_logged(
     stream: trio.SocketStream,
     fs: FileSystem[N, H],
@@ -1009,17 +1053,13 @@ async def serve_unix(
         listener = trio.SocketListener(sock)
         task_status.started()
         async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as err:
-                    # Out of fds or memory: keep serving the clients we have.
-                    logger.warning("9P accept on %s failed: %s", path, err)
-                    await trio.sleep(0.1)
-                    continue
+
+            def start(stream: trio.SocketStream) -> None:
                 nursery.start_soon(
                     _serve_logged, stream, fs, max_msize, max_fids, max_pending, stats
                 )
+
+            await accept_loop(listener, start, path)
     finally:
         sock.close()
         try:
@@ -1030,11 +1070,13 @@ async def serve_unix(
 
 
 __all__ = [
+    "ACCEPT_CAPACITY_ERRNOS",
     "MIN_MSIZE",
     "BaseFileSystem",
     "FileSystem",
     "NinePError",
     "ServerStats",
+    "accept_loop",
     "serve_connection",
     "serve_unix",
 ]

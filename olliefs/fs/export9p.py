@@ -70,7 +70,13 @@ from ninep.codec import (
     Qid,
     Stat,
 )
-from ninep.server import BaseFileSystem, ServerStats, clear_stale_socket, serve_connection
+from ninep.server import (
+    BaseFileSystem,
+    ServerStats,
+    accept_loop,
+    clear_stale_socket,
+    serve_connection,
+)
 from olliefs import errors
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
@@ -464,18 +470,12 @@ async def _unix_listener(path: str) -> tuple[trio.SocketListener, Callable[[], N
 
 
 async def _accept_loop(
-    export: Export, listener: trio.SocketListener, unix: bool, nursery: trio.Nursery
+    export: Export, listener: trio.SocketListener, unix: bool, name: str, nursery: trio.Nursery
 ) -> None:
-    while True:
-        try:
-            stream = await listener.accept()
-        except OSError as err:
-            # Out of fds or memory, most likely: keep serving the clients we have (a
-            # client never ends the daemon), and try again a little later.
-            log.warning("9P accept failed: %s", err)
-            await trio.sleep(0.1)
-            continue
+    def start(stream: trio.SocketStream) -> None:
         nursery.start_soon(_serve_client, export, stream, unix)
+
+    await accept_loop(listener, start, name)
 
 
 async def serve(
@@ -509,8 +509,8 @@ async def serve(
                 listeners.append((t, False))
                 bound.append(str(Address("tcp", host=sockname[0], port=sockname[1])))
         async with trio.open_nursery() as nursery:
-            for listener, unix in listeners:
-                nursery.start_soon(_accept_loop, export, listener, unix, nursery)
+            for (listener, unix), name in zip(listeners, bound, strict=True):
+                nursery.start_soon(_accept_loop, export, listener, unix, name, nursery)
             for b in bound:
                 log.info("9P export listening on %s", b)
             task_status.started(bound)

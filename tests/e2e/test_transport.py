@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import resource
 import shutil
 import socket
@@ -23,6 +24,8 @@ import httpx
 import pytest
 import trio
 
+from olliefs.backend.base import TransientError
+from olliefs.backend.stream import transport_error
 from olliefs.backend.transport import LeanTransport, direct_body, transport_for
 from olliefs.testing import recv_request
 
@@ -209,23 +212,64 @@ async def test_reused_connection_dying_before_a_reply_is_retried_once(
     assert len(srv.requests) == 5  # 1, 2 (dropped), 2 again, /always twice (kept, new)
 
 
+CUT_CHUNKED = "without sending complete message body (incomplete chunked read)"
+
+
 @pytest.mark.parametrize(
-    "reply",
+    ("reply", "says"),
     [
-        CHUNKED_HEAD + b"5\r\nhel",  # cut inside a chunk
-        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello",  # cut before its length
-        b"HTTP/1.1 200 OK\r\nContent-Le",  # cut inside the head
+        (CHUNKED_HEAD + b"5\r\nhel", CUT_CHUNKED),  # inside a chunk's data
+        (CHUNKED_HEAD + b"5\r\nhello\r", CUT_CHUNKED),  # inside the CRLF after it
+        (CHUNKED_HEAD + b"5\r\nhello\r\n1", CUT_CHUNKED),  # inside a size line
+        (CHUNKED_HEAD + b"5\r\nhello\r\n1;a=", CUT_CHUNKED),  # inside an extension
+        (CHUNKED_HEAD + b"5\r\nhello\r\n0\r\nX-T: 1", CUT_CHUNKED),  # inside the trailers
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello",
+            "peer closed connection without sending complete message body",
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Le", "server disconnected without sending a response"),
     ],
 )
-async def test_truncated_replies(serve: Callable[..., RawServer], reply: bytes) -> None:
+async def test_truncated_replies(serve: Callable[..., RawServer], reply: bytes, says: str) -> None:
+    """A reply the server cuts short, wherever: httpx's RemoteProtocolError saying so,
+    which the backends take for a network error worth a retry."""
+
     def handler(conn: socket.socket, head: bytes, i: int, n: int) -> None:
         conn.sendall(reply)
         conn.close()
 
     srv = serve(handler)
     async with client(LeanTransport()) as c:
-        with pytest.raises(httpx.RemoteProtocolError):
+        with pytest.raises(httpx.RemoteProtocolError, match=re.escape(says)) as caught:
             await c.get(srv.url)
+    error = transport_error(caught.value, "openai")
+    assert isinstance(error, TransientError) and says in str(error)
+
+
+async def test_odd_chunk_framing_a_byte_a_write(serve: Callable[..., RawServer]) -> None:
+    """Chunk extensions of every odd kind and trailers, sent a byte a write (reads then
+    split the framing anywhere): the body whole, and the trailers read to their end, so
+    the connection carries the next request."""
+    wire = (
+        b"5;x=1\r\nhello\r\n"
+        b'6; name="v;w\\"x"\r\n world\r\n'
+        b"1;a;b=;;\r\n!\r\n"
+        b"00a  \r\n0123456789\r\n"
+        b"0;last=1\r\nX-Trailer: t\r\nServer-Timing: total;dur=2\r\n\r\n"
+    )
+
+    def handler(conn: socket.socket, head: bytes, i: int, n: int) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(CHUNKED_HEAD)
+        for k in range(len(wire)):
+            conn.sendall(wire[k : k + 1])
+
+    srv = serve(handler)
+    t = LeanTransport()
+    async with client(t) as c:
+        for _ in range(2):
+            assert (await c.get(srv.url)).content == b"hello world!0123456789"
+    assert srv.accepted == 1 and t.connections_made == 1
 
 
 @pytest.mark.parametrize(

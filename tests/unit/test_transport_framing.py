@@ -57,6 +57,27 @@ def test_chunked_any_split_gives_the_body(
     assert d.rest + b"".join(pieces[fed:]) == after
 
 
+ODD = (
+    b"5;x=1\r\nhello\r\n"  # an extension
+    b'6; name="v;w\\"x"\r\n world\r\n'  # a quoted value with ; and an escaped quote
+    b"1;a;b=;;\r\n!\r\n"  # bare and empty ones
+    b"00a  \r\n0123456789\r\n"  # leading zeros, white space before the CRLF
+    b"A\r\nABCDEFGHIJ\r\n"  # upper-case hex
+    b"0;last=1\r\nX-Trailer: t\r\nServer-Timing: total;dur=2\r\n\r\n"  # trailers
+)
+ODD_BODY = b"hello world!0123456789ABCDEFGHIJ"
+
+
+@pytest.mark.parametrize("at", range(len(ODD) + 1))
+def test_chunked_split_at_every_byte(at: int) -> None:
+    """Odd extensions and trailers, the body cut in two reads at every byte (and then
+    fed a byte a read): the same body, ended, nothing left over for the next reply."""
+    for pieces in ([ODD[:at], ODD[at:]], [ODD[i : i + 1] for i in range(len(ODD))]):
+        d = ChunkedDecoder()
+        got = b"".join(d.feed(p) for p in pieces if p)
+        assert got == ODD_BODY and d.done and d.rest == b""
+
+
 def test_chunked_one_read_of_many_chunks_is_one_piece() -> None:
     wire = encode([b"tok|"] * 500, [], [])
     d = ChunkedDecoder()
