@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tmp-dir", required=True, help="root of the per-session tmp dirs")
     p.add_argument(
+        "--capture-dir", default="", help="root of the sessions' checkpoint stores (none: off)"
+    )
+    p.add_argument(
         "--hide",
         action="append",
         default=[],
@@ -104,6 +107,7 @@ async def serve(
             tmp_root=tmp_root,
             nursery=nursery,
             executor=executor,
+            capture_root=Path(args.capture_dir) if args.capture_dir else None,
         )
         await nursery.start(serve_unix, args.socket, fs)
         log.info("serving %s (tools: %s)", args.socket, ", ".join(map(str, tools)))

@@ -44,6 +44,10 @@ class CallRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     args: dict[str, Any] = {}
     cwd: str = ""
     env: dict[str, str] = {}
+    # Checkpoints: the session's store under toolsrv's --capture-dir (empty: no capture),
+    # and the conversation's turn the call belongs to (toolsrv.checkpoint).
+    capture: str = ""
+    turn: int = 0
 
 
 class Content(msgspec.Struct, frozen=True):
@@ -56,6 +60,7 @@ class CallResult(msgspec.Struct, frozen=True):
 
     content: list[Content]
     isError: bool = False  # the wire name (SPEC 5)
+    checkpoint: int = 0  # the record of what the call changed (toolsrv.checkpoint), 0: none
 
     @property
     def text(self) -> str:

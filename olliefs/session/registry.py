@@ -609,13 +609,16 @@ class Registry:
             why = err.strerror or err
             s.error(f"branches/{k} not written ({why}); it is written at the next start")
 
-    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]:
+    async def run_shell(
+        self, cmd: str, cwd: str, env: Mapping[str, str], capture: tuple[str, int] = ("", 0)
+    ) -> tuple[str, bool]:
         """A ``!cmd`` prompt: bash through toolsrv's ``execute_code``, sandboxed like any
         tool (the user typed it, but a prompt can also come from an agent or a peer)."""
         link = self._tree_link
         if "execute_code" not in link.wanted:
             link.set_wanted([*link.wanted, "execute_code"])
-        result = await link.call("execute_code", {"code": cmd, "language": "bash"}, cwd, env)
+        args = {"code": cmd, "language": "bash"}
+        result = await link.call("execute_code", args, cwd, env, capture)
         return result.text.rstrip("\n"), result.isError
 
     def _from_create(self, rec: persist.Create, journal: persist.Journal) -> Session:

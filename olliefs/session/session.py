@@ -124,7 +124,9 @@ class SessionHost(Protocol):
 
     async def refresh_tools(self) -> None: ...
 
-    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]: ...
+    async def run_shell(
+        self, cmd: str, cwd: str, env: Mapping[str, str], capture: tuple[str, int] = ("", 0)
+    ) -> tuple[str, bool]: ...
 
     async def context_length(self, backend: str, model: str) -> int: ...
 
@@ -198,6 +200,7 @@ class Session:
         journal.on_mended = self._journal_mended
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
+        link.capture = self.capture_key
         self.agent = Agent(
             self,
             host.services,
@@ -632,7 +635,9 @@ class Session:
             return
         self.set_state("calling: !")
         try:
-            text, failed = await self.host.run_shell(cmd, self.cwd, self.agent.tool_env())
+            text, failed = await self.host.run_shell(
+                cmd, self.cwd, self.agent.tool_env(), self.capture_key()
+            )
         except ToolsrvError as err:
             self.error(f"!{cmd}: {err}")
             return
@@ -679,6 +684,10 @@ class Session:
 
     def turns(self) -> int:
         return len(self.turn_starts)
+
+    def capture_key(self) -> tuple[str, int]:
+        """Checkpoints: the store and the turn a tool call or ``!cmd`` is captured under."""
+        return (self.uid, len(self.turn_starts))
 
     def rewind_to(self, n: int, branch: int) -> None:
         """Drop the last ``n`` turns from the history, as branch number ``branch``."""
@@ -816,6 +825,7 @@ class Session:
         tools = rt.initial_tools
         link = ToolLink(self.host.toolsrv, self.uid, tools)
         link.on_dropped = self._tool_dropped
+        link.capture = self.capture_key
         if self._nursery is not None:
             link.bind(self._nursery)
         old.close()

@@ -110,6 +110,8 @@ class Toolsrv:
             str(shipped / "sandbox"),
             "--tmp-dir",
             str(self.tmp_root),
+            "--capture-dir",
+            str(self.paths.state / "checkpoints"),
             *hidden_args(self.paths),
             "--exit-with-stdin",
             "--log-level",
