@@ -581,6 +581,10 @@ class Registry:
     def compactions_root(self) -> Path:
         return self.paths.state / "compactions"
 
+    def checkpoints_root(self) -> Path:
+        """Where toolsrv keeps the sessions' checkpoint stores (``--capture-dir``)."""
+        return self.paths.state / "checkpoints"
+
     def branches_dir(self, s: Session) -> Path:
         return self.paths.state / "branches" / s.uid
 

@@ -4,10 +4,12 @@ overlay, shown under ``s/<id>/checkpoints/``, undone by ``ctl rewind``."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, script
 
 
 def call(name: str, args: dict[str, Any], cid: str) -> dict[str, Any]:
@@ -36,5 +38,64 @@ def test_bang_command_is_captured(daemon: Daemon) -> None:
     recs = records(daemon)
     assert len(recs) == 1
     ops = {c["path"]: c for c in recs[0]["changes"]}
-    print(recs)
     assert set(ops) == {"keep.txt", "gone.txt", "there.txt", "added.txt"}
+
+
+def calls(*cs: dict[str, Any]) -> str:
+    return json.dumps({"tool_calls": list(cs)})
+
+
+def reply(text: str) -> str:
+    return json.dumps({"reply": text})
+
+
+def test_a_turns_tool_calls_are_a_checkpoint_and_its_diff_undoes_it(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    (w / "edit.txt").write_text("one\ntwo\n")
+    (w / "old.txt").write_text("bye\n")
+    (w / "ren.txt").write_text("moves\n")
+    (w / ".git").mkdir()
+    (w / ".git" / "HEAD").write_text("ref\n")
+    daemon.replay.add(
+        script(
+            calls(
+                call("file_write", {"path": "sub/new.txt", "content": "fresh\n"}, "c1"),
+                call("file_edit", {"path": "edit.txt", "old": "two", "new": "TWO"}, "c2"),
+                call(
+                    "execute_code",
+                    {
+                        "code": "rm old.txt; mv ren.txt moved.txt; printf 'a\\0b' > bin;"
+                        " ln -s edit.txt link; echo x > .git/HEAD || true"
+                    },
+                    "c3",
+                ),
+            ),
+            reply("done"),
+        )
+    )
+    sid = daemon.new(name="cp", cwd=str(w))
+    daemon.write(
+        f"s/{sid}/ctl", "tool_load file_write\ntool_load file_edit\ntool_load execute_code"
+    )
+    daemon.prompt(sid, "change things\nsecond line")
+    daemon.wait_idle(sid)
+    assert (w / "edit.txt").read_text() == "one\nTWO\n"
+    assert (w / ".git" / "HEAD").read_text() == "ref\n"  # read-only through the overlay too
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/checkpoints"))) == ["1", "diff"]
+    assert daemon.read(f"s/{sid}/checkpoints/1/files") == (
+        "A\tbin\nM\tedit.txt\nA\tlink\nR\tren.txt -> moved.txt\nD\told.txt\nA\tsub/new.txt\n"
+    )
+    assert daemon.read(f"s/{sid}/checkpoints/1/turn") == "1\tchange things\n"
+    diff = daemon.read(f"s/{sid}/checkpoints/1/diff")
+    assert "Binary files /dev/null and b/bin differ" in diff
+    assert "-two\n+TWO\n" in diff
+    assert diff == daemon.read(f"s/{sid}/checkpoints/diff")
+    # The diff without its binary part undoes the turn by hand.
+    text = "".join(
+        "diff --git" + part for part in diff.split("diff --git")[1:] if "Binary files" not in part
+    )
+    subprocess.run(["git", "apply", "-R"], input=text.encode(), cwd=w, check=True)
+    assert (w / "edit.txt").read_text() == "one\ntwo\n"
+    assert (w / "old.txt").read_text() == "bye\n"
+    assert (w / "ren.txt").read_text() == "moves\n"
+    assert not (w / "moved.txt").exists() and not (w / "sub" / "new.txt").exists()

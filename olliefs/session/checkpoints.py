@@ -1,0 +1,261 @@
+"""Checkpoints, the daemon's side: the store toolsrv fills (`toolsrv.checkpoint`) read as
+turns, rendered as ``files`` and ``diff``, and undone by ``ctl rewind``.
+
+A checkpoint is every live record of one turn (the tool calls of the turn and the
+``!cmd`` prompts after it), numbered from 1 in the order of the turns. A rewind restores
+the files of the records it undoes, newest first, and moves the records to
+``branches/<k>/`` of the store, where ``diff`` keeps what they did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import os
+import shutil
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from toolsrv.checkpoint import Change, Obj, Record, Store, write_durably
+
+__all__ = ["Store"]
+
+_dec = msgspec.json.Decoder(Record)
+
+
+@dataclass
+class Net:
+    """One path's change over several records: its first state before and last after."""
+
+    path: str
+    pre: Obj | None
+    post: Obj | None
+    src: str = ""
+
+
+@dataclass
+class Checkpoint:
+    turn: int
+    records: list[Record] = field(default_factory=list)
+
+
+def store(root: Path, uid: str) -> Store:
+    return Store(root / uid)
+
+
+def checkpoints(st: Store) -> list[Checkpoint]:
+    """The live records of the store, by turn (oldest first)."""
+    out: dict[int, Checkpoint] = {}
+    for rec in st.records():
+        if rec.changes or rec.mkdirs or rec.rmdirs:
+            out.setdefault(rec.turn, Checkpoint(rec.turn)).records.append(rec)
+    return [out[t] for t in sorted(out)]
+
+
+def net(records: Sequence[Record]) -> list[Net]:
+    """What ``records`` (in order) did in all, path by path."""
+    out: dict[str, Net] = {}
+    for rec in records:
+        for c in rec.changes:
+            if c.src:
+                gone = out.get(c.src)
+                if gone is None:
+                    out[c.src] = Net(c.src, c.pre, None)
+                else:
+                    gone.post = None
+            now = out.get(c.path)
+            if now is None:
+                out[c.path] = Net(c.path, None if c.src else c.pre, c.post)
+            else:
+                now.post = c.post
+    # A path gone and one made with the same content: a rename.
+    result = {p: n for p, n in out.items() if n.pre != n.post}
+    gone_by = {n.pre: p for p, n in result.items() if n.post is None and n.pre is not None}
+    for n in list(result.values()):
+        if n.pre is None and n.post is not None and n.post in gone_by:
+            old = gone_by.pop(n.post)
+            n.pre, n.src = result.pop(old).pre, old
+    return sorted(result.values(), key=lambda n: n.path)
+
+
+def files_text(changes: Sequence[Net]) -> str:
+    lines = []
+    for n in changes:
+        if n.src:
+            lines.append(f"R\t{n.src} -> {n.path}")
+        else:
+            op = "A" if n.pre is None else "D" if n.post is None else "M"
+            lines.append(f"{op}\t{n.path}")
+    return "".join(line + "\n" for line in lines)
+
+
+def _blob(st: Store, obj: Obj | None) -> bytes:
+    if obj is None:
+        return b""
+    try:
+        return st.blob(obj.hash).read_bytes()
+    except OSError:
+        return b""
+
+
+def _git_mode(obj: Obj) -> str:
+    if obj.kind == "link":
+        return "120000"
+    return "100755" if obj.mode & 0o111 else "100644"
+
+
+def _binary(data: bytes) -> bool:
+    if b"\0" in data[:8000]:
+        return True
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def diff_text(st: Store, changes: Sequence[Net]) -> str:
+    """The changes as git writes a diff (``a/`` and ``b/``), for ``patch -p1``."""
+    out: list[str] = []
+    for n in changes:
+        old_path = n.src or n.path
+        out.append(f"diff --git a/{old_path} b/{n.path}\n")
+        if n.pre is None and n.post is not None:
+            out.append(f"new file mode {_git_mode(n.post)}\n")
+        elif n.post is None and n.pre is not None:
+            out.append(f"deleted file mode {_git_mode(n.pre)}\n")
+        elif n.pre is not None and n.post is not None:
+            if _git_mode(n.pre) != _git_mode(n.post):
+                out.append(f"old mode {_git_mode(n.pre)}\nnew mode {_git_mode(n.post)}\n")
+            if n.src:
+                same = "100" if n.pre.hash == n.post.hash else "50"
+                out.append(f"similarity index {same}%\nrename from {n.src}\nrename to {n.path}\n")
+        a, b = _blob(st, n.pre), _blob(st, n.post)
+        if (n.pre is not None and n.post is not None and n.pre.hash == n.post.hash) or a == b:
+            continue
+        fa = f"a/{old_path}" if n.pre is not None else "/dev/null"
+        fb = f"b/{n.path}" if n.post is not None else "/dev/null"
+        if _binary(a) or _binary(b):
+            out.append(f"Binary files {fa} and {fb} differ\n")
+            continue
+        al = a.decode().splitlines(keepends=True)
+        bl = b.decode().splitlines(keepends=True)
+        for line in difflib.unified_diff(al, bl, fa, fb):
+            if line.endswith("\n"):
+                out.append(line)
+            else:
+                out.append(line + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+# ---- rewind ---------------------------------------------------------------------------
+
+
+def _state(path: str) -> tuple[str, int, bytes] | None:
+    """(kind, mode, content or link target) of what is at ``path``; None: nothing."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return ("link", stat.S_IMODE(st.st_mode), os.fsencode(os.readlink(path)))
+    if stat.S_ISREG(st.st_mode):
+        with open(path, "rb") as f:
+            return ("file", stat.S_IMODE(st.st_mode), f.read())
+    return ("other", 0, b"")
+
+
+def _matches(st: Store, path: str, obj: Obj | None) -> bool:
+    now = _state(path)
+    if obj is None:
+        return now is None
+    if now is None or now[0] != obj.kind:
+        return False
+    return hashlib.sha256(now[2]).hexdigest() == obj.hash and (
+        obj.kind == "link" or now[1] == obj.mode
+    )
+
+
+def conflicts(st: Store, cwd: str, records: Sequence[Record]) -> list[str]:
+    """The paths ``records`` left that something else has changed since."""
+    bad = []
+    for n in net(records):
+        if n.src and not _matches(st, os.path.join(cwd, n.src), None):
+            bad.append(n.src)
+        if not _matches(st, os.path.join(cwd, n.path), n.post):
+            bad.append(n.path)
+    return bad
+
+
+def _restore(st: Store, cwd: str, rel: str, obj: Obj | None) -> None:
+    path = os.path.join(cwd, rel)
+    if obj is None:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path), f".ollie-rewind.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    if obj.kind == "link":
+        os.symlink(os.fsdecode(_blob(st, obj)), tmp)
+    else:
+        shutil.copyfile(st.blob(obj.hash), tmp)
+        os.chmod(tmp, obj.mode)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def restore(st: Store, cwd: str, records: Sequence[Record]) -> None:
+    """Put back every path ``records`` changed as it was before them; the dirs they made
+    go once empty, those they removed come back."""
+    for rec in reversed(records):
+        for d in reversed(rec.rmdirs):
+            os.makedirs(os.path.join(cwd, d), exist_ok=True)
+    for n in net(records):
+        if n.src:
+            _restore(st, cwd, n.path, None)
+            _restore(st, cwd, n.src, n.pre)
+        else:
+            _restore(st, cwd, n.path, n.pre)
+    for rec in reversed(records):
+        for d, _mode in reversed(rec.mkdirs):
+            try:
+                os.rmdir(os.path.join(cwd, d))
+            except OSError:
+                continue
+
+
+def move_to_branch(st: Store, records: Sequence[Record], branch: Path, diff: str) -> None:
+    """The undone records leave the live ones (newest first: a crash leaves the older
+    live); ``branch/diff`` keeps what they did."""
+    branch.mkdir(parents=True, exist_ok=True)
+    write_durably(branch / "diff", diff.encode())
+    kept = st.root / "branches" / branch.name
+    kept.mkdir(parents=True, exist_ok=True)
+    for rec in sorted(records, key=lambda r: r.seq, reverse=True):
+        name = f"{rec.seq:08d}.json"
+        try:
+            os.replace(st.rec / name, kept / name)
+        except FileNotFoundError:
+            continue
+
+
+def undone_by(st: Store, last_turn: int) -> list[Record]:
+    """The live records of turn ``last_turn`` and after (a rewind's)."""
+    return [r for r in st.records() if r.turn >= last_turn]
+
+
+def changes_of(records: Sequence[Record]) -> list[Change]:
+    return [c for r in records for c in r.changes]
