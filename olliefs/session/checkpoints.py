@@ -237,13 +237,12 @@ def restore(st: Store, cwd: str, records: Sequence[Record]) -> None:
                 continue
 
 
-def move_to_branch(st: Store, records: Sequence[Record], branch: Path, diff: str) -> None:
+def move_to_branch(st: Store, records: Sequence[Record], name: str, diff: str) -> None:
     """The undone records leave the live ones (newest first: a crash leaves the older
-    live); ``branch/diff`` keeps what they did."""
-    branch.mkdir(parents=True, exist_ok=True)
-    write_durably(branch / "diff", diff.encode())
-    kept = st.root / "branches" / branch.name
+    live) for the store's ``branches/<name>/``, with the ``diff`` of what they did."""
+    kept = st.root / "branches" / name
     kept.mkdir(parents=True, exist_ok=True)
+    write_durably(kept / "diff", diff.encode())
     for rec in sorted(records, key=lambda r: r.seq, reverse=True):
         name = f"{rec.seq:08d}.json"
         try:

@@ -37,7 +37,7 @@ from olliefs.errors import (
     short_reason,
 )
 from olliefs.live import GrowingLog
-from olliefs.session import persist
+from olliefs.session import checkpoints, persist
 from olliefs.session.commands import split_request
 from olliefs.session.complete import Completer
 from olliefs.session.session import Session, journal_path
@@ -588,21 +588,49 @@ class Registry:
     def branches_dir(self, s: Session) -> Path:
         return self.paths.state / "branches" / s.uid
 
-    async def rewind(self, s: Session, n: int) -> None:
+    def check_rewind(self, s: Session, n: int) -> None:
+        """Refuse (Busy, the paths in the reason) a rewind of files something else changed
+        since the session left them."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        undone = checkpoints.undone_by(st, s.turns() - n + 1)
+        bad = checkpoints.conflicts(st, s.cwd, undone)
+        if bad:
+            raise Busy(
+                "rewind: changed since by something else: "
+                + ", ".join(bad[:20])
+                + (f" (and {len(bad) - 20} more)" if len(bad) > 20 else "")
+                + " (rewind n force to restore them anyway)"
+            )
+
+    async def rewind(self, s: Session, n: int, what: str = "both") -> None:
         """``ctl rewind``: the last ``n`` turns leave the history at once; what the
         history and chat were before is written to ``branches/<k>/`` before the write
         returns. The Rewind record comes first (so no record of a turn can slip in
         between the cut and its record); a crash before the branch is on disk leaves the
         record without its branch, and the restore rebuilds the branch from the journal
         (``Session.replay``)."""
-        before = list(s.agent.history.messages)
-        chat_size = len(s.chat)
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        undone = checkpoints.undone_by(st, s.turns() - n + 1)
         root = self.branches_dir(s)
         k = s.branches + 1
+        diff: bytes | None = None
+        if undone:  # (checkpoints: the files first, then the records leave)
+            text = checkpoints.diff_text(st, checkpoints.net(undone))
+            diff = text.encode()
+            if what != "chat":
+                await trio.to_thread.run_sync(checkpoints.restore, st, s.cwd, undone)
+            name = str(k) if what != "files" else f"files-{undone[-1].seq}"
+            await trio.to_thread.run_sync(checkpoints.move_to_branch, st, undone, name, text)
+            if what != "chat":
+                s.emit("info", f"restored {len(checkpoints.net(undone))} file(s)")
+        if what == "files":
+            return
+        before = list(s.agent.history.messages)
+        chat_size = len(s.chat)
         s.rewind_to(n, k)
 
         def write() -> None:
-            persist.write_branch(root, k, before, s.chat.read(0, chat_size))
+            persist.write_branch(root, k, before, s.chat.read(0, chat_size), diff)
 
         try:
             await trio.to_thread.run_sync(write)

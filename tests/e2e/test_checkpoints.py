@@ -3,13 +3,14 @@ overlay, shown under ``s/<id>/checkpoints/``, undone by ``ctl rewind``."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Daemon, script
+from tests.conftest import Daemon, oserror, script
 
 
 def call(name: str, args: dict[str, Any], cid: str) -> dict[str, Any]:
@@ -99,3 +100,62 @@ def test_a_turns_tool_calls_are_a_checkpoint_and_its_diff_undoes_it(daemon: Daem
     assert (w / "old.txt").read_text() == "bye\n"
     assert (w / "ren.txt").read_text() == "moves\n"
     assert not (w / "moved.txt").exists() and not (w / "sub" / "new.txt").exists()
+
+
+def _two_turns(daemon: Daemon, w: Path) -> str:
+    """A session whose turn 1 writes a.txt and turn 2 edits it and writes b.txt."""
+    (w / "a.txt").write_text("zero\n")
+    daemon.replay.add(
+        script(
+            calls(call("file_write", {"path": "a.txt", "content": "one\n"}, "c1")),
+            reply("first"),
+            calls(
+                call("file_write", {"path": "a.txt", "content": "two\n"}, "c2"),
+                call("file_write", {"path": "b.txt", "content": "bee\n"}, "c3"),
+            ),
+            reply("second"),
+        ),
+    )
+    sid = daemon.new(name="rw", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_write")
+    for text in ("turn one", "turn two"):
+        daemon.prompt(sid, text)
+        daemon.wait_idle(sid)
+    assert (w / "a.txt").read_text() == "two\n"
+    return sid
+
+
+def test_rewind_restores_the_files_and_keeps_their_diff(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    sid = _two_turns(daemon, w)
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/checkpoints"))) == ["1", "2", "diff"]
+    daemon.write(f"s/{sid}/ctl", "rewind 1")
+    assert (w / "a.txt").read_text() == "one\n"
+    assert not (w / "b.txt").exists()
+    assert "+bee\n" in daemon.read(f"s/{sid}/branches/1/diff")
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/checkpoints"))) == ["1", "diff"]
+    daemon.write(f"s/{sid}/ctl", "rewind 1 files")
+    assert (w / "a.txt").read_text() == "zero\n"
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/checkpoints"))) == ["diff"]
+    assert len(json.loads("[" + ",".join(daemon.read(f"s/{sid}/context").splitlines()) + "]")) > 2
+
+
+def test_rewind_chat_keeps_the_files(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    sid = _two_turns(daemon, w)
+    daemon.write(f"s/{sid}/ctl", "rewind 1 chat")
+    assert (w / "a.txt").read_text() == "two\n"
+    assert (w / "b.txt").read_text() == "bee\n"
+
+
+def test_a_user_edit_between_turns_makes_rewind_refuse(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    sid = _two_turns(daemon, w)
+    (w / "b.txt").write_text("mine\n")
+    assert oserror(daemon.write, f"s/{sid}/ctl", "rewind 1") == errno.EBUSY
+    assert "b.txt" in daemon.read(f"s/{sid}/err")
+    assert (w / "a.txt").read_text() == "two\n"  # nothing done
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/checkpoints"))) == ["1", "2", "diff"]
+    daemon.write(f"s/{sid}/ctl", "rewind 1 force")
+    assert (w / "a.txt").read_text() == "one\n"
+    assert not (w / "b.txt").exists()
