@@ -131,6 +131,8 @@ def write_durably(path: Path, data: bytes) -> None:
 # One lock per store, for the process: two calls of a session end in two threads.
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
+# The upper dirs of this process's calls in flight: no recovery touches them.
+_live: set[Path] = set()
 
 
 class Store:
@@ -404,6 +406,9 @@ def recover(store: Store) -> None:
             return
         pending = {r.upper: r for r in store.records() if r.upper}
         for token in runs:
+            with _locks_guard:
+                if store.run / token in _live:
+                    continue
             rec = pending.get(f"run/{token}")
             if rec is not None and os.path.isdir(rec.cwd):
                 apply(store, rec, rec.cwd)
@@ -419,26 +424,19 @@ class Overlay:
         self.cwd = cwd
         self.turn = turn
         store.ensure()
-        recover(store)
         self.token = f"{int(time.time() * 1000):x}-{secrets.token_hex(4)}"
         self.dir = store.run / self.token
+        with _locks_guard:
+            _live.add(self.dir)
         (self.dir / "u").mkdir(parents=True, mode=0o755)
         (self.dir / "w").mkdir(mode=0o700)
-        self.mount_fd = -1
-
-    def close(self) -> None:
-        if self.mount_fd >= 0:  # made but never attached (the spawn failed)
-            with contextlib.suppress(OSError):
-                os.close(self.mount_fd)
-            self.mount_fd = -1
-
-    def make(self) -> None:
-        """In the spawning thread, still in the server's mount namespace (where the store,
-        hidden from tools, is seen): the overlay as a detached mount."""
+        self.users = 1  # the calls in flight that share it
+        # Made here, where the store (hidden from tools) is seen; each call attaches a
+        # copy in its own namespace, so calls running side by side see each other's files.
         self.mount_fd = namespaces.make_mount(
             "overlay",
             [
-                ("lowerdir+", self.cwd),
+                ("lowerdir+", cwd),
                 ("upperdir", str(self.dir / "u")),
                 ("workdir", str(self.dir / "w")),
                 ("redirect_dir", "off"),
@@ -447,6 +445,12 @@ class Overlay:
                 ("xino", "off"),
             ],
         )
+
+    def close(self) -> None:
+        if self.mount_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.mount_fd)
+            self.mount_fd = -1
 
     def enter(self, ruleset_fd: int | None) -> None:
         """In the spawning thread, after the mount plan: a namespace of its own (the plan's
@@ -461,7 +465,7 @@ class Overlay:
         subs = _submounts(cwd)
         clones = {p: namespaces.open_tree_clone(p, follow=False) for p in subs}
         try:
-            fd, self.mount_fd = self.mount_fd, -1
+            fd = namespaces.clone_mount(self.mount_fd)
             try:
                 namespaces.move_mount(fd, cwd)
             finally:
@@ -480,7 +484,7 @@ class Overlay:
             upper = str(self.dir / "u")
             changes, w = collect(self.store, upper, self.cwd)
             if not changes and not w.mkdirs and not w.rmdirs:
-                shutil.rmtree(self.dir, ignore_errors=True)
+                self.drop()
                 return None
             rec = Record(
                 self.store.next_seq(),
@@ -496,10 +500,13 @@ class Overlay:
             apply(self.store, rec, self.cwd)
             rec.upper = ""
             self.store.write_record(rec)
+            self.drop()
             return rec
 
     def drop(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        with _locks_guard:
+            _live.discard(self.dir)
 
 
 def _submounts(path: str) -> list[str]:
@@ -526,6 +533,11 @@ def store_for(root: Path, name: str) -> Store | None:
     return Store(root / name)
 
 
+# The overlays of calls in flight, by (store, cwd): a call made while another of the
+# session runs in the same cwd shares its overlay (a round of parallel calls).
+_shared: dict[tuple[Path, str], Overlay] = {}
+
+
 async def begin(root: Path | None, req: CallRequest, unsandboxed: bool) -> Overlay | None:
     """The overlay of a call that asks for capture (None: no capture for it)."""
     if root is None or not req.capture or unsandboxed or not namespaces.mount_namespaces():
@@ -534,19 +546,43 @@ async def begin(root: Path | None, req: CallRequest, unsandboxed: bool) -> Overl
     if store is None or not os.path.isabs(req.cwd) or not os.path.isdir(req.cwd):
         return None
     cwd = os.path.realpath(req.cwd)
-    return await trio.to_thread.run_sync(Overlay, store, cwd, req.turn)
+    key = (store.root, cwd)
+    async with _begin_lock:
+        ov = _shared.get(key)
+        if ov is not None:
+            ov.users += 1
+            return ov
+
+        def make() -> Overlay:
+            store.ensure()
+            recover(store)  # what a crash of an earlier server left
+            return Overlay(store, cwd, req.turn)
+
+        ov = _shared[key] = await trio.to_thread.run_sync(make)
+        return ov
+
+
+_begin_lock = trio.Lock()
 
 
 async def end(overlay: Overlay | None) -> int:
-    """After the call, even a cancelled one: record and apply its changes; the record's
-    number (0: none). Shielded: once the tool has run, its changes are never half kept."""
+    """After the call, even a cancelled one: when it is the last of those sharing the
+    overlay, record and apply their changes; the record's number (0: none). Shielded:
+    once the tools have run, their changes are never half kept."""
     if overlay is None:
         return 0
+    overlay.users -= 1
+    if overlay.users > 0:
+        return 0
+    _shared.pop((overlay.store.root, overlay.cwd), None)
     with trio.CancelScope(shield=True):
         overlay.close()
         try:
             rec = await trio.to_thread.run_sync(overlay.finish)
         except OSError:
+            # Left for `recover`: applied at the next call if its record is durable.
             log.exception("checkpoint of the call in %s failed", overlay.cwd)
+            with _locks_guard:
+                _live.discard(overlay.dir)
             return 0
     return rec.seq if rec is not None else 0

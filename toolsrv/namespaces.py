@@ -742,3 +742,13 @@ def make_mount(fstype: str, options: Sequence[tuple[str, str]]) -> int:
         )
     finally:
         os.close(fs)
+
+
+def clone_mount(fd: int) -> int:
+    """A detached copy of the mount ``fd`` (a `make_mount` one, kept for several calls)."""
+    flags = _OPEN_TREE_CLONE | _AT_RECURSIVE | _AT_EMPTY_PATH | os.O_CLOEXEC
+    rc = _libc.syscall(ctypes.c_long(_NR_OPEN_TREE), ctypes.c_int(fd), b"", ctypes.c_uint(flags))
+    return _check(rc, "open_tree (clone of a mount)")
+
+
+_AT_EMPTY_PATH = 0x1000

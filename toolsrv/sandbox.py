@@ -370,8 +370,6 @@ class Prepared:
         made here (and handed back in ``built_ns_fd`` with ``keep_ns``). Raises OSError
         when a step fails; nothing may be spawned from the thread then.
         """
-        if self.overlay is not None and self.mounts is not None:
-            self.overlay.make()  # (checkpoints: made where its dirs are seen)
         if self.mounts is not None:
             if self.mount_ns_fd is not None:
                 namespaces.join_mount_ns(self.mount_ns_fd)
