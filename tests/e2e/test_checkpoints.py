@@ -6,11 +6,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from tests.conftest import Daemon, oserror, script
+from tests.e2e.test_tools import toolsrv_pids
 
 
 def call(name: str, args: dict[str, Any], cid: str) -> dict[str, Any]:
@@ -159,3 +161,87 @@ def test_a_user_edit_between_turns_makes_rewind_refuse(daemon: Daemon) -> None:
     daemon.write(f"s/{sid}/ctl", "rewind 1 force")
     assert (w / "a.txt").read_text() == "one\n"
     assert not (w / "b.txt").exists()
+
+
+def _blocked_call(daemon: Daemon, then: list[str]) -> tuple[str, Path]:
+    """A session whose tool writes half.txt in the cwd, says so in its tmp dir and waits
+    on a fifo nobody writes; its id and its tmp dir."""
+    w: Path = daemon.work
+    code = "echo half > half.txt; mkfifo $OLLIE_TMP/f; echo up > $OLLIE_TMP/up; cat $OLLIE_TMP/f"
+    daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1")), *then))
+    sid = daemon.new(name="k", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code\ntool_load file_write")
+    daemon.prompt(sid, "go")
+    tmp = daemon.home / "data" / "tmp" / sid
+    daemon.wait_for(lambda: (tmp / "up").exists())
+    assert not (w / "half.txt").exists()  # (the cwd shows it when the call ends)
+    return sid, tmp
+
+
+def _toolsrv_pid(daemon: Daemon) -> int:
+    (pid,) = toolsrv_pids(daemon)
+    return pid
+
+
+def test_sigkill_of_toolsrv_mid_call_keeps_none_of_it(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    after = calls(call("file_write", {"path": "next.txt", "content": "n\n"}, "c2"))
+    sid, _tmp = _blocked_call(daemon, [after, reply("on")])
+    daemon.allowed_errors.append("toolsrv")
+    os.kill(_toolsrv_pid(daemon), signal.SIGKILL)
+    daemon.wait_idle(sid)
+    assert (w / "next.txt").read_text() == "n\n"  # the next call ran on a new toolsrv
+    assert not (w / "half.txt").exists()
+    assert daemon.read(f"s/{sid}/checkpoints/1/files") == "A\tnext.txt\n"
+    run = next((daemon.home / "state" / "checkpoints").glob("*/run"))
+    assert os.listdir(run) == []  # the killed call's upper dir is gone
+
+
+def test_sigkill_of_the_daemon_mid_call_keeps_all_of_it(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    sid, _tmp = _blocked_call(daemon, [])
+    pid = _toolsrv_pid(daemon)
+    daemon.crash()
+    # toolsrv sees the daemon gone, ends the call and keeps what it did, then exits.
+    daemon.wait_for(lambda: not os.path.exists(f"/proc/{pid}"))
+    assert (w / "half.txt").read_text() == "half\n"
+    daemon.start()
+    daemon.wait_idle(sid)
+    assert daemon.read(f"s/{sid}/checkpoints/1/files") == "A\thalf.txt\n"
+    daemon.write(f"s/{sid}/ctl", "rewind 1 files")
+    assert not (w / "half.txt").exists()
+
+
+def test_a_record_written_but_not_applied_is_applied_at_the_next_call(
+    daemon: Daemon,
+) -> None:
+    """The crash between the durable record and the end of its application: the
+    record's upper dir is still there, and the session's next call finishes it."""
+    w: Path = daemon.work
+    daemon.replay.add(
+        script(
+            calls(call("file_write", {"path": "one.txt", "content": "1\n"}, "c1")),
+            reply("a"),
+            calls(call("file_write", {"path": "two.txt", "content": "2\n"}, "c2")),
+            reply("b"),
+        )
+    )
+    sid = daemon.new(name="r", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_write")
+    daemon.prompt(sid, "one")
+    daemon.wait_idle(sid)
+    # Put the store back as a crash right after the record was made durable leaves it.
+    (store,) = (daemon.home / "state" / "checkpoints").glob("*")
+    (rec_path,) = (store / "rec").glob("*.json")
+    rec = json.loads(rec_path.read_text())
+    upper = store / "run" / "crashed" / "u"
+    upper.mkdir(parents=True)
+    (store / "run" / "crashed" / "w").mkdir()
+    os.rename(w / "one.txt", upper / "one.txt")
+    rec["upper"] = "run/crashed"
+    rec_path.write_text(json.dumps(rec))
+    daemon.prompt(sid, "two")
+    daemon.wait_idle(sid)
+    assert (w / "one.txt").read_text() == "1\n"
+    assert (w / "two.txt").read_text() == "2\n"
+    assert not (store / "run" / "crashed").exists()
