@@ -181,8 +181,23 @@ def _matches(st: Store, path: str, obj: Obj | None) -> bool:
     )
 
 
-def conflicts(st: Store, cwd: str, records: Sequence[Record]) -> list[str]:
+def by_cwd(records: Sequence[Record]) -> list[tuple[str, list[Record]]]:
+    """The records by the cwd they were made in (a session's cwd can change)."""
+    out: dict[str, list[Record]] = {}
+    for r in records:
+        out.setdefault(r.cwd, []).append(r)
+    return list(out.items())
+
+
+def conflicts(st: Store, records: Sequence[Record]) -> list[str]:
     """The paths ``records`` left that something else has changed since."""
+    bad = []
+    for cwd, group in by_cwd(records):
+        bad += _conflicts(st, cwd, group)
+    return bad
+
+
+def _conflicts(st: Store, cwd: str, records: Sequence[Record]) -> list[str]:
     bad = []
     for n in net(records):
         if n.src and not _matches(st, os.path.join(cwd, n.src), None):
@@ -217,9 +232,14 @@ def _restore(st: Store, cwd: str, rel: str, obj: Obj | None) -> None:
     os.replace(tmp, path)
 
 
-def restore(st: Store, cwd: str, records: Sequence[Record]) -> None:
+def restore(st: Store, records: Sequence[Record]) -> None:
     """Put back every path ``records`` changed as it was before them; the dirs they made
     go once empty, those they removed come back."""
+    for cwd, group in reversed(by_cwd(records)):
+        _restore_in(st, cwd, group)
+
+
+def _restore_in(st: Store, cwd: str, records: Sequence[Record]) -> None:
     for rec in reversed(records):
         for d in reversed(rec.rmdirs):
             os.makedirs(os.path.join(cwd, d), exist_ok=True)

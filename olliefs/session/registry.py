@@ -593,14 +593,17 @@ class Registry:
         since the session left them."""
         st = checkpoints.store(self.checkpoints_root(), s.uid)
         undone = checkpoints.undone_by(st, s.turns() - n + 1)
-        bad = checkpoints.conflicts(st, s.cwd, undone)
+        bad = checkpoints.conflicts(st, undone)
         if bad:
-            raise Busy(
-                "rewind: changed since by something else: "
+            reason = (
+                f"session {s.id}: rewind: changed since by something else: "
                 + ", ".join(bad[:20])
                 + (f" (and {len(bad) - 20} more)" if len(bad) > 20 else "")
                 + " (rewind n force to restore them anyway)"
             )
+            # Another session or the user made the conflict: the root err says it too.
+            self.last_error = short_reason(reason)
+            raise Busy(reason)
 
     async def rewind(self, s: Session, n: int, what: str = "both") -> None:
         """``ctl rewind``: the last ``n`` turns leave the history at once; what the
@@ -618,7 +621,7 @@ class Registry:
             text = checkpoints.diff_text(st, checkpoints.net(undone))
             diff = text.encode()
             if what != "chat":
-                await trio.to_thread.run_sync(checkpoints.restore, st, s.cwd, undone)
+                await trio.to_thread.run_sync(checkpoints.restore, st, undone)
             name = str(k) if what != "files" else f"files-{undone[-1].seq}"
             await trio.to_thread.run_sync(checkpoints.move_to_branch, st, undone, name, text)
             if what != "chat":

@@ -245,3 +245,37 @@ def test_a_record_written_but_not_applied_is_applied_at_the_next_call(
     assert (w / "one.txt").read_text() == "1\n"
     assert (w / "two.txt").read_text() == "2\n"
     assert not (store / "run" / "crashed").exists()
+
+
+def test_two_sessions_in_one_directory_each_see_their_own_changes(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    (w / "shared.txt").write_text("base\n")
+    daemon.replay.add(
+        script(
+            calls(call("file_write", {"path": "a.txt", "content": "from a\n"}, "c1")),
+            reply("a done"),
+            calls(call("file_write", {"path": "shared.txt", "content": "from b\n"}, "c2")),
+            reply("b done"),
+            calls(call("file_write", {"path": "shared.txt", "content": "a again\n"}, "c3")),
+            reply("a again"),
+        )
+    )
+    a = daemon.new(name="a", cwd=str(w))
+    b = daemon.new(name="b", cwd=str(w))
+    for sid in (a, b):
+        daemon.write(f"s/{sid}/ctl", "tool_load file_write")
+    for sid in (a, b, a):
+        daemon.prompt(sid, "write")
+        daemon.wait_idle(sid)
+    assert daemon.read(f"s/{a}/checkpoints/1/files") == "A\ta.txt\n"
+    assert daemon.read(f"s/{a}/checkpoints/2/files") == "M\tshared.txt\n"
+    assert daemon.read(f"s/{b}/checkpoints/1/files") == "M\tshared.txt\n"
+    assert sorted(os.listdir(daemon.p(f"s/{b}/checkpoints"))) == ["1", "diff"]
+    # b's rewind would undo a's later write to shared.txt: refused.
+    assert oserror(daemon.write, f"s/{b}/ctl", "rewind 1") == errno.EBUSY
+    assert "shared.txt" in daemon.read(f"s/{b}/err")
+    assert "shared.txt" in daemon.read("err")
+    # a's own rewind of its last turn restores what b had left.
+    daemon.write(f"s/{a}/ctl", "rewind 1")
+    assert (w / "shared.txt").read_text() == "from b\n"
+    assert (w / "a.txt").read_text() == "from a\n"
