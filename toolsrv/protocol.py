@@ -60,7 +60,8 @@ class CallResult(msgspec.Struct, frozen=True):
 
     content: list[Content]
     isError: bool = False  # the wire name (SPEC 5)
-    checkpoint: int = 0  # the record of what the call changed (toolsrv.checkpoint), 0: none
+    # The record of what the call changed (toolsrv.checkpoint); absent: none.
+    checkpoint: int | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def text(self) -> str:
