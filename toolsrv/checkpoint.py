@@ -143,6 +143,8 @@ class Store:
         self.blobs = root / "blobs"
         self.rec = root / "rec"
         self.run = root / "run"
+        self.staged = root / "staged"
+        self.staged_rec = root / "staged.json"
         with _locks_guard:
             self.lock = _locks.setdefault(str(root), threading.Lock())
 
@@ -416,20 +418,47 @@ def recover(store: Store) -> None:
                 shutil.rmtree(store.run / token, ignore_errors=True)
 
 
+def staged(store: Store) -> Record | None:
+    """What waits in review mode (None: nothing)."""
+    try:
+        return _dec.decode(store.staged_rec.read_bytes())
+    except FileNotFoundError:
+        return None
+
+
+def stage(store: Store, cwd: str) -> None:
+    """``staged.json`` made again from the staged upper dir. A path staged before keeps
+    the content it had on disk then: accepting it checks the disk still has that."""
+    before = staged(store)
+    first = {c.path: c.pre for c in before.changes} if before is not None else {}
+    first |= {c.src: c.pre for c in before.changes if c.src} if before is not None else {}
+    changes, w = collect(store, str(store.staged / "u"), cwd)
+    kept = []
+    for c in changes:
+        key = c.src or c.path
+        pre = first[key] if key in first else c.pre
+        kept.append(msgspec.structs.replace(c, pre=pre))
+    rec = Record(0, 0, cwd, kept, w.mkdirs, w.rmdirs, "staged", time.time())
+    write_durably(store.staged_rec, _enc.encode(rec))
+
+
 class Overlay:
     """One call's overlay over its cwd (made in the server, mounted in the spawn thread)."""
 
-    def __init__(self, store: Store, cwd: str, turn: int) -> None:
+    def __init__(self, store: Store, cwd: str, turn: int, review: bool = False) -> None:
         self.store = store
         self.cwd = cwd
         self.turn = turn
+        self.review = review
         store.ensure()
         self.token = f"{int(time.time() * 1000):x}-{secrets.token_hex(4)}"
-        self.dir = store.run / self.token
+        # Review mode: one upper dir for the session, kept from call to call until the
+        # edits in it are accepted or rejected (``staged.json`` says what it holds).
+        self.dir = store.staged if review else store.run / self.token
         with _locks_guard:
             _live.add(self.dir)
-        (self.dir / "u").mkdir(parents=True, mode=0o755)
-        (self.dir / "w").mkdir(mode=0o700)
+        (self.dir / "u").mkdir(parents=True, mode=0o755, exist_ok=review)
+        (self.dir / "w").mkdir(mode=0o700, exist_ok=review)
         self.users = 1  # the calls in flight that share it
         # Made here, where the store (hidden from tools) is seen; each call attaches a
         # copy in its own namespace, so calls running side by side see each other's files.
@@ -480,6 +509,12 @@ class Overlay:
 
     def finish(self) -> Record | None:
         """After the call: record and apply what it changed (None: nothing)."""
+        if self.review:
+            with self.store.lock:
+                stage(self.store, self.cwd)
+            with _locks_guard:
+                _live.discard(self.dir)
+            return None
         with self.store.lock:
             upper = str(self.dir / "u")
             changes, w = collect(self.store, upper, self.cwd)
@@ -556,7 +591,7 @@ async def begin(root: Path | None, req: CallRequest, unsandboxed: bool) -> Overl
         def make() -> Overlay:
             store.ensure()
             recover(store)  # what a crash of an earlier server left
-            return Overlay(store, cwd, req.turn)
+            return Overlay(store, cwd, req.turn, req.review)
 
         ov = _shared[key] = await trio.to_thread.run_sync(make)
         return ov

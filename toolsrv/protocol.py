@@ -48,6 +48,7 @@ class CallRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # and the conversation's turn the call belongs to (toolsrv.checkpoint).
     capture: str = ""
     turn: int = 0
+    review: bool = False  # the changes wait in the store's staged dir (not applied)
 
 
 class Content(msgspec.Struct, frozen=True):

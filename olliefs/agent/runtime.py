@@ -36,7 +36,7 @@ class ToolLink:
         self.agent_id = agent_id
         self.wanted = list(wanted)
         # Checkpoints: the (store, turn) each call is captured under (None: not captured).
-        self.capture: Callable[[], tuple[str, int]] | None = None
+        self.capture: Callable[[], tuple[str, int, bool]] | None = None
         self.metas: dict[str, ToolMeta] = {}
         self.tools: list[Tool] = []
         self.catalogue: dict[str, ToolMeta] = {}
@@ -122,12 +122,12 @@ class ToolLink:
         args: dict[str, Any],
         cwd: str,
         env: Mapping[str, str],
-        capture: tuple[str, int] | None = None,
+        capture: tuple[str, int, bool] | None = None,
     ) -> CallResult:
         """``capture``: (store, turn) of the checkpoints (default: ``self.capture``)."""
         conn = await self.ready()
         if capture is None:
-            capture = self.capture() if self.capture is not None else ("", 0)
+            capture = self.capture() if self.capture is not None else ("", 0, False)
         return await conn.call(name, args, cwd, env, capture)
 
     async def warm(self, n: int) -> None:

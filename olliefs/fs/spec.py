@@ -125,7 +125,28 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
         "t": session_tools(reg, s, stamp("t/idx")),
         "checkpoints": CheckpointsDir(reg, s),
+        "staged": ViewDir(
+            ("s", u, "staged"),
+            lambda: {
+                "files": Text(("s", u, "staged", "files"), lambda: _staged(reg, s, "files")),
+                "diff": Text(("s", u, "staged", "diff"), lambda: _staged(reg, s, "diff")),
+            },
+            live,
+            s.created,
+        ),
     }
+
+
+def _staged(reg: Registry, s: Session, what: str) -> str:
+    """``staged/files`` and ``staged/diff``: the edits waiting for review."""
+    st = checkpoints.store(reg.checkpoints_root(), s.uid)
+    rec = checkpoints.staged(st)
+    if rec is None:
+        return ""
+    changes = checkpoints.staged_net(rec)
+    if what == "files":
+        return checkpoints.files_text(changes)
+    return checkpoints.diff_text(st, changes)
 
 
 class CheckpointsDir(Dir):
@@ -162,7 +183,7 @@ class CheckpointsDir(Dir):
             return checkpoints.diff_text(st, checkpoints.net(cp.records))
 
         key = ("s", u, "checkpoints", str(n))
-        return StaticDir(
+        return ViewDir(
             key,
             lambda: {
                 "files": Text((*key, "files"), files),
@@ -186,6 +207,23 @@ class CheckpointsDir(Dir):
 
     def valid(self) -> bool:
         return not self.s.closed
+
+    async def unlink(self, name: str) -> None:
+        pass  # rm -r of the session goes through
+
+    async def rmdir(self, name: str) -> None:
+        pass
+
+
+class ViewDir(StaticDir):
+    """A read-only view inside a session directory: unlink and rmdir succeed and do
+    nothing, so ``rm -r`` of the session goes through."""
+
+    async def unlink(self, name: str) -> None:
+        pass
+
+    async def rmdir(self, name: str) -> None:
+        pass
 
 
 async def _ready(s: Session, fresh: Callable[[], Awaitable[None]]) -> None:
@@ -245,7 +283,7 @@ class PeerDir(Dir):
 
 
 # The sub-directories of a session directory (its nlink, without building its files).
-SESSION_SUBDIRS = ("branches", "peer", "compactions", "t", "checkpoints")
+SESSION_SUBDIRS = ("branches", "peer", "compactions", "t", "checkpoints", "staged")
 
 
 class SessionDir(StaticDir):

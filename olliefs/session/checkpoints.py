@@ -21,9 +21,9 @@ from pathlib import Path
 
 import msgspec
 
-from toolsrv.checkpoint import Change, Obj, Record, Store, write_durably
+from toolsrv.checkpoint import Change, Obj, Record, Store, stage, staged, write_durably
 
-__all__ = ["Store"]
+__all__ = ["Store", "staged"]
 
 _dec = msgspec.json.Decoder(Record)
 
@@ -170,7 +170,7 @@ def _state(path: str) -> tuple[str, int, bytes] | None:
     return ("other", 0, b"")
 
 
-def _matches(st: Store, path: str, obj: Obj | None) -> bool:
+def _matches(path: str, obj: Obj | None) -> bool:
     now = _state(path)
     if obj is None:
         return now is None
@@ -200,9 +200,9 @@ def conflicts(st: Store, records: Sequence[Record]) -> list[str]:
 def _conflicts(st: Store, cwd: str, records: Sequence[Record]) -> list[str]:
     bad = []
     for n in net(records):
-        if n.src and not _matches(st, os.path.join(cwd, n.src), None):
+        if n.src and not _matches(os.path.join(cwd, n.src), None):
             bad.append(n.src)
-        if not _matches(st, os.path.join(cwd, n.path), n.post):
+        if not _matches(os.path.join(cwd, n.path), n.post):
             bad.append(n.path)
     return bad
 
@@ -278,3 +278,114 @@ def undone_by(st: Store, last_turn: int) -> list[Record]:
 
 def changes_of(records: Sequence[Record]) -> list[Change]:
     return [c for r in records for c in r.changes]
+
+
+# ---- review mode ----------------------------------------------------------------------
+
+
+def chosen(rec: Record, paths: Sequence[str]) -> list[Change]:
+    """The staged changes named by ``paths`` (all when none); ValueError for a path that
+    has no staged change."""
+    if not paths:
+        return list(rec.changes)
+    by = {c.path: c for c in rec.changes} | {c.src: c for c in rec.changes if c.src}
+    unknown = [p for p in paths if p.rstrip("/") not in by]
+    if unknown:
+        raise ValueError(f"nothing staged for {', '.join(unknown)}")
+    out: list[Change] = []
+    for p in paths:
+        c = by[p.rstrip("/")]
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _as_net(changes: Sequence[Change]) -> list[Net]:
+    return [Net(c.path, None if c.src else c.pre, c.post, c.src) for c in changes]
+
+
+def accept_conflicts(rec: Record, changes: Sequence[Change]) -> list[str]:
+    """The paths whose disk content is no longer what it was when staged."""
+    bad = []
+    for c in changes:
+        if c.src and not _matches(os.path.join(rec.cwd, c.src), c.pre):
+            bad.append(c.src)
+        if not _matches(os.path.join(rec.cwd, c.path), None if c.src else c.pre):
+            bad.append(c.path)
+    return bad
+
+
+def _unstage(upper: Path, rel: str) -> None:
+    path = upper / rel
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _put_from(upper: Path, cwd: str, rel: str) -> None:
+    """``cwd/rel`` made a copy of the staged ``upper/rel`` (mode, symlink as symlink)."""
+    src = upper / rel
+    dst = os.path.join(cwd, rel)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(dst), f".ollie-accept.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    if src.is_symlink():
+        os.symlink(os.readlink(src), tmp)
+    else:
+        shutil.copy2(src, tmp)
+    if os.path.isdir(dst) and not os.path.islink(dst):
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+
+
+def accept(st: Store, rec: Record, changes: Sequence[Change], turn: int) -> None:
+    """Apply the ``changes`` staged in ``rec`` to the disk, as a checkpoint of ``turn``
+    (so a rewind can take them back), and unstage them."""
+    upper = st.staged / "u"
+    everything = len(changes) == len(rec.changes)
+    done = Record(
+        st.next_seq(),
+        turn,
+        rec.cwd,
+        list(changes),
+        [d for d in rec.mkdirs if any(c.path.startswith(d[0] + "/") for c in changes)],
+        rec.rmdirs if everything else [],
+        "",
+        rec.time,
+    )
+    st.write_record(done)
+    for c in changes:
+        for gone in (c.src, c.path if c.post is None else ""):
+            if gone:
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    os.unlink(os.path.join(rec.cwd, gone))
+    for d in done.rmdirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(rec.cwd, d))
+    for c in changes:
+        if c.post is not None:
+            _put_from(upper, rec.cwd, c.path)
+    unstage(st, changes, everything)
+
+
+def unstage(st: Store, changes: Sequence[Change], everything: bool) -> None:
+    """Drop ``changes`` from the staged dir (``ctl reject``, or once accepted)."""
+    if everything:
+        shutil.rmtree(st.staged, ignore_errors=True)
+        st.staged_rec.unlink(missing_ok=True)
+        return
+    upper = st.staged / "u"
+    for c in changes:
+        _unstage(upper, c.path)
+        if c.src:
+            _unstage(upper, c.src)
+    rec = staged(st)
+    if rec is not None:
+        stage(st, rec.cwd)
+
+
+def staged_net(rec: Record) -> list[Net]:
+    return _as_net(rec.changes)

@@ -263,6 +263,20 @@ def _rewind(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.host.rewind(s, n, what)
 
 
+@command("accept", "any", "accept [path...]: apply the edits staged for review (all or those)",
+         while_running=False)  # fmt: skip
+def _accept(s: Session, arg: str, p: Pending) -> Apply:
+    chosen = s.host.check_review(s, "accept", shlex.split(arg))
+    return lambda: s.host.review(s, "accept", chosen)
+
+
+@command("reject", "any", "reject [path...]: drop the edits staged for review (all or those)",
+         while_running=False)  # fmt: skip
+def _reject(s: Session, arg: str, p: Pending) -> Apply:
+    chosen = s.host.check_review(s, "reject", shlex.split(arg))
+    return lambda: s.host.review(s, "reject", chosen)
+
+
 @command("compact", "any", "compact [focus]: summarize the history now, as the session's work "
          "(in a turn: before its next request, or right after it)")  # fmt: skip
 def _compact(s: Session, arg: str, p: Pending) -> Apply:

@@ -44,6 +44,7 @@ from olliefs.session.session import Session, journal_path
 from olliefs.settings import Paths, agent_names, shipped_dir
 from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
+from toolsrv.checkpoint import Change
 from toolsrv.protocol import ToolMeta
 
 if TYPE_CHECKING:
@@ -605,6 +606,44 @@ class Registry:
             self.last_error = short_reason(reason)
             raise Busy(reason)
 
+    def staged(self, s: Session) -> bool:
+        """Whether edits wait for review (``cfg edits=review``)."""
+        rec = checkpoints.staged(checkpoints.store(self.checkpoints_root(), s.uid))
+        return rec is not None and bool(rec.changes)
+
+    def check_review(self, s: Session, verb: str, paths: list[str]) -> list[Change]:
+        """The staged changes ``ctl accept``/``ctl reject`` of ``paths`` would take
+        (InvalidRequest: nothing staged there; Busy: for accept, a path changed on disk
+        since it was staged)."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        rec = checkpoints.staged(st)
+        if rec is None or not rec.changes:
+            raise InvalidRequest(f"{verb}: no edit is staged")
+        try:
+            chosen = checkpoints.chosen(rec, paths)
+        except ValueError as err:
+            raise InvalidRequest(f"{verb}: {err}") from None
+        bad = checkpoints.accept_conflicts(rec, chosen) if verb == "accept" else []
+        if bad:
+            reason = f"session {s.id}: accept: changed on disk since staged: " + ", ".join(bad)
+            self.last_error = short_reason(reason)
+            raise Busy(reason)
+        return chosen
+
+    async def review(self, s: Session, verb: str, chosen: list[Change]) -> None:
+        """``ctl accept``/``ctl reject``: the staged changes applied (as a checkpoint of
+        the current turn) or dropped."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        rec = checkpoints.staged(st)
+        if rec is None:
+            return
+        everything = len(chosen) == len(rec.changes)
+        if verb == "accept":
+            await trio.to_thread.run_sync(checkpoints.accept, st, rec, chosen, s.turns())
+        else:
+            await trio.to_thread.run_sync(checkpoints.unstage, st, chosen, everything)
+        s.emit("info", f"{verb}ed {len(chosen)} staged change(s)")
+
     async def rewind(self, s: Session, n: int, what: str = "both") -> None:
         """``ctl rewind``: the last ``n`` turns leave the history at once; what the
         history and chat were before is written to ``branches/<k>/`` before the write
@@ -645,7 +684,11 @@ class Registry:
             s.error(f"branches/{k} not written ({why}); it is written at the next start")
 
     async def run_shell(
-        self, cmd: str, cwd: str, env: Mapping[str, str], capture: tuple[str, int] = ("", 0)
+        self,
+        cmd: str,
+        cwd: str,
+        env: Mapping[str, str],
+        capture: tuple[str, int, bool] = ("", 0, False),
     ) -> tuple[str, bool]:
         """A ``!cmd`` prompt: bash through toolsrv's ``execute_code``, sandboxed like any
         tool (the user typed it, but a prompt can also come from an agent or a peer)."""

@@ -65,6 +65,7 @@ from olliefs.session.commands import Apply
 from olliefs.session.persist import Journal, Record
 from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
+from toolsrv.checkpoint import Change
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,12 @@ class SessionHost(Protocol):
 
     def check_rewind(self, s: Session, n: int) -> None: ...
 
+    def staged(self, s: Session) -> bool: ...
+
+    def check_review(self, s: Session, verb: str, paths: list[str]) -> list[Change]: ...
+
+    async def review(self, s: Session, verb: str, chosen: list[Change]) -> None: ...
+
     def compactions_root(self) -> Path: ...
 
     def branches_dir(self, s: Session) -> Path: ...
@@ -127,7 +134,11 @@ class SessionHost(Protocol):
     async def refresh_tools(self) -> None: ...
 
     async def run_shell(
-        self, cmd: str, cwd: str, env: Mapping[str, str], capture: tuple[str, int] = ("", 0)
+        self,
+        cmd: str,
+        cwd: str,
+        env: Mapping[str, str],
+        capture: tuple[str, int, bool] = ("", 0, False),
     ) -> tuple[str, bool]: ...
 
     async def context_length(self, backend: str, model: str) -> int: ...
@@ -687,9 +698,10 @@ class Session:
     def turns(self) -> int:
         return len(self.turn_starts)
 
-    def capture_key(self) -> tuple[str, int]:
-        """Checkpoints: the store and the turn a tool call or ``!cmd`` is captured under."""
-        return (self.uid, len(self.turn_starts))
+    def capture_key(self) -> tuple[str, int, bool]:
+        """Checkpoints: the store and the turn a tool call or ``!cmd`` is captured under,
+        and whether its edits wait for review (``cfg edits=review``)."""
+        return (self.uid, len(self.turn_starts), self.cfg.edits == "review")
 
     def rewind_to(self, n: int, branch: int) -> None:
         """Drop the last ``n`` turns from the history, as branch number ``branch``."""
@@ -788,6 +800,12 @@ class Session:
         elif key == "cwd":
             new = resolve_cwd(value)
             caller.check_dir(new, "cfg cwd")
+        elif key == "edits":
+            if value not in ("direct", "review"):
+                raise InvalidRequest(f"cfg edits: direct or review, not {value}")
+            if value == "direct" and self.host.staged(self):
+                raise Busy("cfg edits=direct: edits are staged (ctl accept or ctl reject them)")
+            new = value
         else:
             new = value
         if new == current[key]:

@@ -131,7 +131,7 @@ class ToolsrvConn:
         args: Mapping[str, Any],
         cwd: str,
         env: Mapping[str, str],
-        capture: tuple[str, int] = ("", 0),
+        capture: tuple[str, int, bool] = ("", 0, False),
     ) -> CallResult:
         """Run one tool; the result JSON it answers.
 

@@ -279,3 +279,51 @@ def test_two_sessions_in_one_directory_each_see_their_own_changes(daemon: Daemon
     daemon.write(f"s/{a}/ctl", "rewind 1")
     assert (w / "shared.txt").read_text() == "from b\n"
     assert (w / "a.txt").read_text() == "from a\n"
+
+
+def test_review_mode_stages_edits_until_accepted_or_rejected(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    (w / "keep.txt").write_text("old\n")
+    (w / "drop.txt").write_text("stays\n")
+    daemon.replay.add(
+        script(
+            calls(
+                call("file_write", {"path": "keep.txt", "content": "new\n"}, "c1"),
+                call("file_write", {"path": "drop.txt", "content": "no\n"}, "c2"),
+                call("file_write", {"path": "add.txt", "content": "added\n"}, "c3"),
+            ),
+            calls(call("execute_code", {"code": "cat keep.txt add.txt"}, "c4")),
+            reply("staged"),
+        )
+    )
+    sid = daemon.new(name="rv", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_write\ntool_load execute_code")
+    daemon.write(f"s/{sid}/cfg", "edits=review")
+    daemon.prompt(sid, "edit")
+    daemon.wait_idle(sid)
+    # The session's own calls see their edits; the disk does not have them.
+    assert tool_messages(daemon, 2)[-1]["content"] == "new\nadded"
+    assert (w / "keep.txt").read_text() == "old\n" and not (w / "add.txt").exists()
+    assert daemon.read(f"s/{sid}/staged/files") == "A\tadd.txt\nM\tdrop.txt\nM\tkeep.txt\n"
+    assert "-old\n+new\n" in daemon.read(f"s/{sid}/staged/diff")
+    assert oserror(daemon.write, f"s/{sid}/cfg", "edits=direct") == errno.EBUSY
+    daemon.write(f"s/{sid}/ctl", "reject drop.txt")
+    assert daemon.read(f"s/{sid}/staged/files") == "A\tadd.txt\nM\tkeep.txt\n"
+    # A path changed on disk since it was staged is not accepted over.
+    (w / "keep.txt").write_text("mine\n")
+    assert oserror(daemon.write, f"s/{sid}/ctl", "accept keep.txt") == errno.EBUSY
+    assert "keep.txt" in daemon.read(f"s/{sid}/err")
+    daemon.write(f"s/{sid}/ctl", "accept add.txt")
+    assert (w / "add.txt").read_text() == "added\n"
+    assert (w / "drop.txt").read_text() == "stays\n"
+    assert daemon.read(f"s/{sid}/staged/files") == "M\tkeep.txt\n"
+    daemon.write(f"s/{sid}/ctl", "reject")
+    assert daemon.read(f"s/{sid}/staged/files") == ""
+    assert (w / "keep.txt").read_text() == "mine\n"
+    daemon.write(f"s/{sid}/cfg", "edits=direct")
+    # What was accepted is a checkpoint like any other.
+    assert daemon.read(f"s/{sid}/checkpoints/1/files") == "A\tadd.txt\n"
+
+
+def tool_messages(daemon: Daemon, i: int) -> list[dict[str, Any]]:
+    return [m for m in daemon.replay.requests[i]["messages"] if m["role"] == "tool"]
