@@ -95,6 +95,7 @@ class Record(msgspec.Struct):
     rmdirs: list[str] = []  # dirs the call removed, children first
     upper: str = ""  # run/<token>: while it exists the record is not fully applied
     time: float = 0.0
+    trimmed: bool = False  # its pre-images were dropped (the daemon's size cap)
 
 
 _enc = msgspec.json.Encoder()

@@ -280,6 +280,53 @@ def changes_of(records: Sequence[Record]) -> list[Change]:
     return [c for r in records for c in r.changes]
 
 
+# ---- the size cap -------------------------------------------------------------------
+
+LIMIT = 1 << 30
+"""Bytes of pre-images a session keeps unless its profile says (``checkpointLimit``)."""
+
+
+def trim(st: Store, limit: int) -> list[int]:
+    """Drop the oldest turns' pre-images while those kept weigh more than ``limit``; the
+    turns dropped. Their records stay (``files``, and a refusal to rewind past them)."""
+    recs = [r for r in st.records()]
+    size: dict[str, int] = {}
+    for r in recs:
+        if not r.trimmed:
+            for c in r.changes:
+                if c.pre is not None:
+                    size[c.pre.hash] = c.pre.size
+    total = sum(size.values())
+    dropped: list[int] = []
+    for cp in checkpoints(st):
+        if total <= limit:
+            break
+        live = [r for r in cp.records if not r.trimmed]
+        if not live:
+            continue
+        for r in live:
+            r.trimmed = True
+            st.write_record(r)
+        dropped.append(cp.turn)
+        keep = {
+            o.hash
+            for r in st.records()
+            for c in r.changes
+            for o in (c.post, None if r.trimmed else c.pre)
+            if o is not None
+        }
+        rec = staged(st)
+        if rec is not None:
+            keep |= {o.hash for c in rec.changes for o in (c.pre, c.post) if o is not None}
+        for r in live:
+            for c in r.changes:
+                if c.pre is not None and c.pre.hash not in keep:
+                    with contextlib.suppress(FileNotFoundError):
+                        st.blob(c.pre.hash).unlink()
+                        total -= c.pre.size
+    return dropped
+
+
 # ---- review mode ----------------------------------------------------------------------
 
 

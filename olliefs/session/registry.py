@@ -61,6 +61,7 @@ DEFAULT_MODEL = "gpt-4o-mini"
 # which always holds a '-').
 TREE_AGENT = "olliefs_tree"
 PROFILE_PARAMS = (
+    "edits",
     "maxTokens",
     "temperature",
     "frequencyPenalty",
@@ -594,6 +595,12 @@ class Registry:
         since the session left them."""
         st = checkpoints.store(self.checkpoints_root(), s.uid)
         undone = checkpoints.undone_by(st, s.turns() - n + 1)
+        gone = sorted({r.turn for r in undone if r.trimmed})
+        if gone:
+            raise InvalidRequest(
+                f"rewind: the content before turn {gone[-1]} was dropped (checkpointLimit): "
+                "its files cannot be restored (rewind n chat rewinds the conversation only)"
+            )
         bad = checkpoints.conflicts(st, undone)
         if bad:
             reason = (
@@ -605,6 +612,24 @@ class Registry:
             # Another session or the user made the conflict: the root err says it too.
             self.last_error = short_reason(reason)
             raise Busy(reason)
+
+    def trim_checkpoints(self, s: Session) -> None:
+        """After each turn or ``!cmd``: the size cap (``checkpointLimit``)."""
+        limit = self.profile(s.cfg.agent).get("checkpointLimit")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            limit = checkpoints.LIMIT
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        try:
+            dropped = checkpoints.trim(st, limit)
+        except OSError as err:
+            log.warning("session %s: checkpoints not trimmed: %s", s.id, err)
+            return
+        for turn in dropped:
+            s.emit(
+                "info",
+                f"checkpoints over checkpointLimit ({limit} bytes): the content before turn "
+                f"{turn}'s edits is dropped; a rewind past it is refused",
+            )
 
     def staged(self, s: Session) -> bool:
         """Whether edits wait for review (``cfg edits=review``)."""

@@ -115,6 +115,8 @@ class SessionHost(Protocol):
 
     def staged(self, s: Session) -> bool: ...
 
+    def trim_checkpoints(self, s: Session) -> None: ...
+
     def check_review(self, s: Session, verb: str, paths: list[str]) -> list[Change]: ...
 
     async def review(self, s: Session, verb: str, chosen: list[Change]) -> None: ...
@@ -598,6 +600,7 @@ class Session:
             self._work_scope = None
             self._cut_turn = None
             self._running_seq = None
+            self.host.trim_checkpoints(self)  # (checkpoints: the size cap)
             self.renderer.end_turn()
             agent.history.totals.last_turn_cost = agent.turn_cost
             self.record(persist.TurnCost(agent.turn_cost))
@@ -830,6 +833,8 @@ class Session:
         values: dict[str, Any] = {"agent": name}
         if rt.backend:
             values["backend"] = rt.backend
+        if rt.edits and not self.host.staged(self):  # (staged edits wait for review)
+            values["edits"] = rt.edits
         if rt.model:
             values["model"] = rt.model
         for key, v in (

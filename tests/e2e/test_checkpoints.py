@@ -327,3 +327,35 @@ def test_review_mode_stages_edits_until_accepted_or_rejected(daemon: Daemon) -> 
 
 def tool_messages(daemon: Daemon, i: int) -> list[dict[str, Any]]:
     return [m for m in daemon.replay.requests[i]["messages"] if m["role"] == "tool"]
+
+
+def test_checkpoint_limit_drops_the_oldest_pre_images_and_refuses_to_rewind_past(
+    daemon: Daemon,
+) -> None:
+    w: Path = daemon.work
+    (w / "big.txt").write_text("x" * 100 + "\n")
+    agents = daemon.home / "config" / "agents"
+    agents.mkdir(parents=True, exist_ok=True)
+    (agents / "small.json").write_text(json.dumps({"checkpointLimit": 50}))
+    daemon.replay.add(
+        script(
+            calls(call("file_write", {"path": "big.txt", "content": "short\n"}, "c1")),
+            reply("one"),
+            calls(call("file_write", {"path": "new.txt", "content": "n\n"}, "c2")),
+            reply("two"),
+        )
+    )
+    sid = daemon.new(name="cap", cwd=str(w), agent="small")
+    daemon.write(f"s/{sid}/ctl", "tool_load file_write")
+    daemon.prompt(sid, "one")
+    daemon.wait_idle(sid)
+    assert "before turn 1's edits is dropped" in daemon.read(f"s/{sid}/chat")
+    assert "before turn 1's edits is dropped" in daemon.snapshot(f"s/{sid}/events")
+    daemon.prompt(sid, "two")
+    daemon.wait_idle(sid)
+    daemon.write(f"s/{sid}/ctl", "rewind 1")  # turn 2 kept what it needs
+    assert not (w / "new.txt").exists()
+    assert oserror(daemon.write, f"s/{sid}/ctl", "rewind 1") == errno.EINVAL
+    assert "checkpointLimit" in daemon.read(f"s/{sid}/err")
+    assert (w / "big.txt").read_text() == "short\n"
+    daemon.write(f"s/{sid}/ctl", "rewind 1 chat")
