@@ -171,16 +171,18 @@ class Store:
         return out
 
     def next_seq(self) -> int:
+        """The next record's number: one more than the highest ever given (``seq``, kept
+        beside the records, as records moved away by a rewind keep theirs), past any
+        record a crash left before ``seq`` said so. One read, not a listing."""
         try:
-            names = [n for n in os.listdir(self.rec) if n.endswith(".json")]
-        except FileNotFoundError:
-            names = []
-        seqs = [int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()]
-        # Records moved away by a rewind keep their numbers: the store remembers the
-        # highest ever given.
-        with contextlib.suppress(OSError, ValueError):
-            seqs.append(int((self.root / "seq").read_text()))
-        return max(seqs, default=0) + 1
+            seq = int((self.root / "seq").read_text()) + 1
+        except (OSError, ValueError):
+            names = os.listdir(self.rec) if self.rec.is_dir() else []
+            seqs = [int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()]
+            seq = max(seqs, default=0) + 1
+        while (self.rec / f"{seq:08d}.json").exists():
+            seq += 1
+        return seq
 
     def keep_blob(self, src_fd: int, size: int) -> str:
         """Copy the open file ``src_fd`` into ``blobs/`` (once per content); its hash."""
@@ -394,7 +396,6 @@ def apply(store: Store, rec: Record, real: str) -> None:
             if c.post is not None:
                 _put(upper, real, c.path)
         shutil.rmtree(store.root / rec.upper, ignore_errors=True)
-    _fsync_dir(real)
 
 
 def recover(store: Store) -> None:
@@ -405,13 +406,12 @@ def recover(store: Store) -> None:
             runs = os.listdir(store.run)
         except FileNotFoundError:
             return
+        with _locks_guard:
+            runs = [t for t in runs if store.run / t not in _live]
         if not runs:
             return
         pending = {r.upper: r for r in store.records() if r.upper}
         for token in runs:
-            with _locks_guard:
-                if store.run / token in _live:
-                    continue
             rec = pending.get(f"run/{token}")
             if rec is not None and os.path.isdir(rec.cwd):
                 apply(store, rec, rec.cwd)
@@ -533,9 +533,7 @@ class Overlay:
                 time.time(),
             )
             self.store.write_record(rec)
-            apply(self.store, rec, self.cwd)
-            rec.upper = ""
-            self.store.write_record(rec)
+            apply(self.store, rec, self.cwd)  # (its upper dir gone: applied)
             self.drop()
             return rec
 
