@@ -163,8 +163,10 @@ class CheckpointsDir(Dir):
     def _store(self) -> checkpoints.Store:
         return checkpoints.store(self.reg.checkpoints_root(), self.s.uid)
 
-    def _turn_text(self, turn: int) -> str:
+    def _turn_text(self, turn: int, sealed: bool = False) -> str:
         s = self.s
+        if sealed:
+            return f"{turn}\t(a conversation since cleared or compacted)\n"
         if turn == 0 or turn > len(s.turn_starts):
             return f"{turn}\t!\n"
         msgs = s.agent.history.messages
@@ -188,7 +190,7 @@ class CheckpointsDir(Dir):
             lambda: {
                 "files": Text((*key, "files"), files),
                 "diff": Text((*key, "diff"), diff),
-                "turn": Text((*key, "turn"), lambda: self._turn_text(cp.turn)),
+                "turn": Text((*key, "turn"), lambda: self._turn_text(cp.turn, cp.sealed)),
             },
             lambda: not self.s.closed,
         )

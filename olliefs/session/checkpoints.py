@@ -42,6 +42,25 @@ class Net:
 class Checkpoint:
     turn: int
     records: list[Record] = field(default_factory=list)
+    sealed: bool = False  # of a conversation since cleared or compacted (see `seal`)
+
+
+def floors(st: Store) -> list[int]:
+    """The record numbers at which the conversation's turns were counted afresh."""
+    try:
+        return [int(x) for x in (st.root / "floors").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def seal(st: Store) -> None:
+    """The conversation's turns start again from 1 (ctl clear, a compaction, ctl agent):
+    the records so far belong to turns that no rewind can count any more."""
+    last = max((r.seq for r in st.records()), default=0)
+    if last and last not in floors(st):
+        st.root.mkdir(parents=True, exist_ok=True)
+        with open(st.root / "floors", "a") as f:
+            f.write(f"{last}\n")
 
 
 def store(root: Path, uid: str) -> Store:
@@ -49,12 +68,16 @@ def store(root: Path, uid: str) -> Store:
 
 
 def checkpoints(st: Store) -> list[Checkpoint]:
-    """The live records of the store, by turn (oldest first)."""
-    out: dict[int, Checkpoint] = {}
+    """The live records of the store, by turn (oldest first; the turns of a conversation
+    since cleared or compacted before those of the current one)."""
+    fl = floors(st)
+    out: dict[tuple[int, int], Checkpoint] = {}
     for rec in st.records():
         if rec.changes or rec.mkdirs or rec.rmdirs:
-            out.setdefault(rec.turn, Checkpoint(rec.turn)).records.append(rec)
-    return [out[t] for t in sorted(out)]
+            epoch = sum(1 for f in fl if rec.seq > f)
+            cp = out.setdefault((epoch, rec.turn), Checkpoint(rec.turn, sealed=epoch < len(fl)))
+            cp.records.append(rec)
+    return [out[k] for k in sorted(out)]
 
 
 def net(records: Sequence[Record]) -> list[Net]:
@@ -272,8 +295,10 @@ def move_to_branch(st: Store, records: Sequence[Record], name: str, diff: str) -
 
 
 def undone_by(st: Store, last_turn: int) -> list[Record]:
-    """The live records of turn ``last_turn`` and after (a rewind's)."""
-    return [r for r in st.records() if r.turn >= last_turn]
+    """The live records of turn ``last_turn`` and after (a rewind's), of the current
+    conversation only."""
+    floor = max(floors(st), default=0)
+    return [r for r in st.records() if r.turn >= last_turn and r.seq > floor]
 
 
 def changes_of(records: Sequence[Record]) -> list[Change]:

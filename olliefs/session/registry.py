@@ -631,6 +631,14 @@ class Registry:
                 f"{turn}'s edits is dropped; a rewind past it is refused",
             )
 
+    def seal_checkpoints(self, s: Session) -> None:
+        """The conversation's turns are counted afresh (clear, compaction, agent): no
+        rewind reaches the checkpoints made so far."""
+        try:
+            checkpoints.seal(checkpoints.store(self.checkpoints_root(), s.uid))
+        except OSError as err:
+            log.warning("session %s: checkpoints not sealed: %s", s.id, err)
+
     def staged(self, s: Session) -> bool:
         """Whether edits wait for review (``cfg edits=review``)."""
         rec = checkpoints.staged(checkpoints.store(self.checkpoints_root(), s.uid))

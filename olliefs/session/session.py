@@ -117,6 +117,8 @@ class SessionHost(Protocol):
 
     def trim_checkpoints(self, s: Session) -> None: ...
 
+    def seal_checkpoints(self, s: Session) -> None: ...
+
     def check_review(self, s: Session, verb: str, paths: list[str]) -> list[Change]: ...
 
     async def review(self, s: Session, verb: str, chosen: list[Change]) -> None: ...
@@ -332,6 +334,7 @@ class Session:
     def history_replaced(self, messages: list[Message], n: int) -> None:
         self.record(persist.Replaced(messages, n))
         self.turn_starts = [0]  # the compacted history is one turn's start
+        self.host.seal_checkpoints(self)
 
     def taskstate_changed(self, state: TaskState) -> None:
         self.record(persist.TaskStateRec(state))
@@ -863,6 +866,7 @@ class Session:
         self.record(persist.Clear())
         self.agent.clear()
         self.turn_starts.clear()
+        self.host.seal_checkpoints(self)
         self.emit("info", f"agent {name}: tools {', '.join(tools) or 'none'}; history cleared")
         for note in rt.notes:
             self.emit("info", note)
@@ -947,6 +951,7 @@ class Session:
         self.record(persist.Clear(), strict=True)
         self.agent.clear()
         self.turn_starts.clear()
+        self.host.seal_checkpoints(self)
         self.emit("info", "history cleared")
 
     # ---- restore --------------------------------------------------------------------

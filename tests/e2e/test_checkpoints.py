@@ -359,3 +359,28 @@ def test_checkpoint_limit_drops_the_oldest_pre_images_and_refuses_to_rewind_past
     assert "checkpointLimit" in daemon.read(f"s/{sid}/err")
     assert (w / "big.txt").read_text() == "short\n"
     daemon.write(f"s/{sid}/ctl", "rewind 1 chat")
+
+
+def test_a_cleared_conversations_checkpoints_are_out_of_rewinds_reach(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    daemon.replay.add(
+        script(
+            calls(call("file_write", {"path": "old.txt", "content": "o\n"}, "c1")),
+            reply("one"),
+            calls(call("file_write", {"path": "new.txt", "content": "n\n"}, "c2")),
+            reply("two"),
+        )
+    )
+    sid = daemon.new(name="cl", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load file_write")
+    daemon.prompt(sid, "one")
+    daemon.wait_idle(sid)
+    daemon.write(f"s/{sid}/ctl", "clear")
+    daemon.prompt(sid, "two")
+    daemon.wait_idle(sid)
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/checkpoints"))) == ["1", "2", "diff"]
+    assert daemon.read(f"s/{sid}/checkpoints/1/turn").startswith("1\t(a conversation since")
+    assert daemon.read(f"s/{sid}/checkpoints/2/turn") == "1\ttwo\n"
+    daemon.write(f"s/{sid}/ctl", "rewind 1")  # the new turn 1 only
+    assert not (w / "new.txt").exists()
+    assert (w / "old.txt").read_text() == "o\n"
