@@ -176,6 +176,27 @@ def diff_text(st: Store, changes: Sequence[Net]) -> str:
     return "".join(out)
 
 
+def share(src: Store, dst: Store, turns: int) -> None:
+    """A fork's checkpoints: the parent's up to the fork point (its first ``turns``
+    turns, and those of earlier conversations, sealed in the fork too), the records
+    copied and their blobs linked (one copy of each content on disk)."""
+    fl = floors(src)
+    floor = max(fl, default=0)
+    recs = [r for r in src.records() if r.seq <= floor or r.turn <= turns]
+    if not recs:
+        return
+    dst.ensure()
+    for r in recs:
+        for c in r.changes:
+            for o in (c.pre, c.post):
+                if o is not None and not dst.blob(o.hash).exists():
+                    with contextlib.suppress(FileNotFoundError):  # (dropped by the cap)
+                        os.link(src.blob(o.hash), dst.blob(o.hash))
+        dst.write_record(r)
+    if fl:
+        write_durably(dst.root / "floors", "".join(f"{f}\n" for f in fl).encode())
+
+
 # ---- rewind ---------------------------------------------------------------------------
 
 

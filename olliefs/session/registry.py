@@ -504,6 +504,19 @@ class Registry:
             theirs = f"with the first {n} messages"
         s = await self._make(name, src.cfg, extra, lambda _: mine)
         src.emit("info", f"forked into {s.id}{',' if checkpoint else ''} {theirs}")
+        # Checkpoints: the fork shares those of the turns it has.
+        turns = 0 if checkpoint else sum(1 for start in src.turn_starts if start < n)
+        root = self.checkpoints_root()
+        try:
+            await trio.to_thread.run_sync(
+                checkpoints.share,
+                checkpoints.store(root, src.uid),
+                checkpoints.store(root, s.uid),
+                turns,
+            )
+        except OSError as err:
+            log.warning("fork %s: checkpoints not shared: %s", s.id, err)
+            s.error(f"the checkpoints of {src.id} are not shared ({err.strerror or err})")
 
     async def _make(
         self, name: str | None, cfg: Cfg, extra: list[persist.Record], info: Callable[[str], str]

@@ -384,3 +384,16 @@ def test_a_cleared_conversations_checkpoints_are_out_of_rewinds_reach(daemon: Da
     daemon.write(f"s/{sid}/ctl", "rewind 1")  # the new turn 1 only
     assert not (w / "new.txt").exists()
     assert (w / "old.txt").read_text() == "o\n"
+
+
+def test_a_fork_shares_the_checkpoints_up_to_the_fork_point(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    sid = _two_turns(daemon, w)
+    daemon.write(f"s/{sid}/ctl", "fork kid 4")  # turn 1: prompt, call, result, reply
+    assert sorted(os.listdir(daemon.p("s/kid/checkpoints"))) == ["1", "diff"]
+    assert daemon.read("s/kid/checkpoints/1/files") == "M\ta.txt\n"
+    assert sorted(os.listdir(daemon.p(f"s/{sid}/checkpoints"))) == ["1", "2", "diff"]
+    daemon.write(f"s/{sid}/ctl", "rewind 1")  # the parent's turn 2: not the fork's
+    assert (w / "a.txt").read_text() == "one\n"
+    assert sorted(os.listdir(daemon.p("s/kid/checkpoints"))) == ["1", "diff"]
+    assert "-zero\n+one\n" in daemon.read("s/kid/checkpoints/diff")
