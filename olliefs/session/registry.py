@@ -820,12 +820,27 @@ class Registry:
             try:
                 persist.keep_as(s.journal.path, self.paths.transcripts, stamp, s.id, ".jsonl")
                 persist.sync_dir(self.paths.sessions)
+                self._keep_checkpoints(s, stamp)
             except OSError as err:
                 # Not moved: the session comes back at the next start, nothing is lost.
                 log.warning("session %s: journal not moved to the transcripts: %s", s.id, err)
                 raise disk_error(err, "the journal of the killed session") from None
 
         await trio.to_thread.run_sync(move)
+
+    def _keep_checkpoints(self, s: Session, stamp: str) -> None:
+        """Beside the transcript of a removed session: ``STAMP-ID.diff``, what all its
+        checkpoints changed (the store itself stays in the state dir)."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        try:
+            diff = checkpoints.diff_text(st, checkpoints.net(st.records()))
+            if not diff:
+                return
+            tmp = self.paths.transcripts / f".{stamp}-{s.id}.diff.tmp"
+            tmp.write_bytes(diff.encode())
+            persist.keep_as(tmp, self.paths.transcripts, stamp, s.id, ".diff")
+        except OSError as err:
+            log.warning("session %s: its checkpoints' diff not kept in tr/: %s", s.id, err)
 
     def restore(self) -> None:
         """Bring back every journalled session (at daemon start).

@@ -397,3 +397,14 @@ def test_a_fork_shares_the_checkpoints_up_to_the_fork_point(daemon: Daemon) -> N
     assert (w / "a.txt").read_text() == "one\n"
     assert sorted(os.listdir(daemon.p("s/kid/checkpoints"))) == ["1", "diff"]
     assert "-zero\n+one\n" in daemon.read("s/kid/checkpoints/diff")
+
+
+def test_a_removed_session_keeps_its_checkpoints_diff_beside_its_transcript(
+    daemon: Daemon,
+) -> None:
+    w: Path = daemon.work
+    sid = _two_turns(daemon, w)
+    subprocess.run(["rm", "-r", str(daemon.p(f"s/{sid}"))], check=True)
+    (diff,) = (daemon.home / "state" / "transcripts").glob(f"*-{sid}.diff")
+    assert "+bee\n" in diff.read_text() and "-zero\n+two\n" in diff.read_text()
+    assert diff.name in os.listdir(daemon.p("tr"))
