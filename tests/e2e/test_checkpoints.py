@@ -408,3 +408,35 @@ def test_a_removed_session_keeps_its_checkpoints_diff_beside_its_transcript(
     (diff,) = (daemon.home / "state" / "transcripts").glob(f"*-{sid}.diff")
     assert "+bee\n" in diff.read_text() and "-zero\n+two\n" in diff.read_text()
     assert diff.name in os.listdir(daemon.p("tr"))
+
+
+def test_rewind_restores_bytes_modes_and_symlinks(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    blob = bytes(range(256)) * 4
+    (w / "data.bin").write_bytes(blob)
+    (w / "run.sh").write_text("#!/bin/sh\n")
+    (w / "run.sh").chmod(0o644)
+    (w / "target1").write_text("1\n")
+    (w / "target2").write_text("2\n")
+    (w / "link").symlink_to("target1")
+    (w / "dead").symlink_to("nowhere")
+    code = (
+        "printf '\\377\\000new' > data.bin; chmod 755 run.sh; ln -sfn target2 link;"
+        " rm dead; mkdir -p deep/er; echo x > deep/er/f"
+    )
+    daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1")), reply("ok")))
+    sid = daemon.new(name="bm", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
+    daemon.prompt(sid, "change")
+    daemon.wait_idle(sid)
+    assert os.readlink(w / "link") == "target2" and (w / "run.sh").stat().st_mode & 0o111
+    files = daemon.read(f"s/{sid}/checkpoints/1/files")
+    assert files == "M\tdata.bin\nD\tdead\nA\tdeep/er/f\nM\tlink\nM\trun.sh\n"
+    diff = daemon.read(f"s/{sid}/checkpoints/1/diff")
+    assert "old mode 100644\nnew mode 100755\n" in diff
+    assert "deleted file mode 120000\n" in diff and "-nowhere\n" in diff
+    daemon.write(f"s/{sid}/ctl", "rewind 1")
+    assert (w / "data.bin").read_bytes() == blob
+    assert (w / "run.sh").stat().st_mode & 0o777 == 0o644
+    assert os.readlink(w / "link") == "target1" and os.readlink(w / "dead") == "nowhere"
+    assert not (w / "deep").exists()  # the dirs the turn made go with it
