@@ -150,6 +150,8 @@ def _model(s: Session, arg: str, p: Pending) -> Apply:
 def _cwd(s: Session, arg: str, p: Pending) -> Apply:
     path = resolve_cwd(arg)
     p.caller.check_dir(path, "cwd")
+    if path != s.cwd and s.host.staged(s):  # (staged against the cwd)
+        raise Busy("cwd: edits are staged (ctl accept or ctl reject them)")
     return lambda: s.set_cfg({"cwd": path})
 
 

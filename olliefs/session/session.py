@@ -806,6 +806,8 @@ class Session:
         elif key == "cwd":
             new = resolve_cwd(value)
             caller.check_dir(new, "cfg cwd")
+            if new != current[key] and self.host.staged(self):  # (staged against the cwd)
+                raise Busy("cfg cwd: edits are staged (ctl accept or ctl reject them)")
         elif key == "edits":
             if value not in ("direct", "review"):
                 raise InvalidRequest(f"cfg edits: direct or review, not {value}")

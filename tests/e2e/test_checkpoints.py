@@ -307,6 +307,9 @@ def test_review_mode_stages_edits_until_accepted_or_rejected(daemon: Daemon) -> 
     assert daemon.read(f"s/{sid}/staged/files") == "A\tadd.txt\nM\tdrop.txt\nM\tkeep.txt\n"
     assert "-old\n+new\n" in daemon.read(f"s/{sid}/staged/diff")
     assert oserror(daemon.write, f"s/{sid}/cfg", "edits=direct") == errno.EBUSY
+    other = w / "elsewhere"
+    other.mkdir()
+    assert oserror(daemon.write, f"s/{sid}/ctl", f"cwd {other}") == errno.EBUSY
     daemon.write(f"s/{sid}/ctl", "reject drop.txt")
     assert daemon.read(f"s/{sid}/staged/files") == "A\tadd.txt\nM\tkeep.txt\n"
     # A path changed on disk since it was staged is not accepted over.
