@@ -592,7 +592,13 @@ async def begin(root: Path | None, req: CallRequest, unsandboxed: bool) -> Overl
             recover(store)  # what a crash of an earlier server left
             return Overlay(store, cwd, req.turn, req.review)
 
-        ov = _shared[key] = await trio.to_thread.run_sync(make)
+        try:
+            ov = _shared[key] = await trio.to_thread.run_sync(make)
+        except OSError as err:
+            # A cwd overlayfs cannot take as a layer, a store's filesystem without the
+            # xattrs it needs: the call runs as without capture, and the log says why.
+            log.warning("no checkpoint for a call in %s: %s", cwd, err)
+            return None
         return ov
 
 
