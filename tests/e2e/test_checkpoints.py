@@ -443,3 +443,17 @@ def test_rewind_restores_bytes_modes_and_symlinks(daemon: Daemon) -> None:
     assert (w / "run.sh").stat().st_mode & 0o777 == 0o644
     assert os.readlink(w / "link") == "target1" and os.readlink(w / "dead") == "nowhere"
     assert not (w / "deep").exists()  # the dirs the turn made go with it
+
+
+def test_patch_undoes_a_turn_and_redoes_a_rewound_one(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    sid = _two_turns(daemon, w)
+    diff = daemon.read(f"s/{sid}/checkpoints/2/diff")
+    subprocess.run(["patch", "-R", "-p1", "-s"], input=diff.encode(), cwd=w, check=True)
+    assert (w / "a.txt").read_text() == "one\n" and not (w / "b.txt").exists()
+    subprocess.run(["patch", "-p1", "-s"], input=diff.encode(), cwd=w, check=True)
+    daemon.write(f"s/{sid}/ctl", "rewind 1")
+    assert (w / "a.txt").read_text() == "one\n"
+    kept = daemon.read(f"s/{sid}/branches/1/diff")
+    subprocess.run(["patch", "-p1", "-s"], input=kept.encode(), cwd=w, check=True)
+    assert (w / "a.txt").read_text() == "two\n" and (w / "b.txt").read_text() == "bee\n"
