@@ -457,3 +457,19 @@ def test_patch_undoes_a_turn_and_redoes_a_rewound_one(daemon: Daemon) -> None:
     kept = daemon.read(f"s/{sid}/branches/1/diff")
     subprocess.run(["patch", "-p1", "-s"], input=kept.encode(), cwd=w, check=True)
     assert (w / "a.txt").read_text() == "two\n" and (w / "b.txt").read_text() == "bee\n"
+
+
+def test_the_profile_key_edits_sets_review_mode(daemon: Daemon) -> None:
+    agents = daemon.home / "config" / "agents"
+    agents.mkdir(parents=True, exist_ok=True)
+    (agents / "careful.json").write_text(json.dumps({"edits": "review"}))
+    sid = daemon.new(name="care", cwd=str(daemon.work), agent="careful")
+    assert "edits=review\n" in daemon.read(f"s/{sid}/cfg")
+    daemon.prompt(sid, "!echo staged > s.txt")
+    daemon.wait_idle(sid)
+    assert not (daemon.work / "s.txt").exists()
+    assert daemon.read(f"s/{sid}/staged/files") == "A\ts.txt\n"
+    daemon.write(f"s/{sid}/ctl", "accept")
+    assert (daemon.work / "s.txt").read_text() == "staged\n"
+    # (A !cmd before any turn: its checkpoint is turn 0.)
+    assert daemon.read(f"s/{sid}/checkpoints/1/turn") == "0\t!\n"
