@@ -364,6 +364,7 @@ def _put(upper: str, real: str, rel: str) -> None:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         if stat.S_ISDIR(os.lstat(dst).st_mode):
             shutil.rmtree(dst)
+    # (its directory may have been removed on disk while the call ran)
     try:
         os.rename(src, dst)
         return
@@ -413,10 +414,17 @@ def recover(store: Store) -> None:
         pending = {r.upper: r for r in store.records() if r.upper}
         for token in runs:
             rec = pending.get(f"run/{token}")
-            if rec is not None and os.path.isdir(rec.cwd):
-                apply(store, rec, rec.cwd)
-            else:
+            if rec is None or not os.path.isdir(rec.cwd):
                 shutil.rmtree(store.run / token, ignore_errors=True)
+                continue
+            try:
+                apply(store, rec, rec.cwd)
+            except OSError as err:
+                # Kept aside, not retried at every call: the disk refuses it for good.
+                log.warning("checkpoint %d of %s not applied: %s", rec.seq, store.root, err)
+                aside = store.root / "unapplied"
+                aside.mkdir(exist_ok=True)
+                os.replace(store.run / token, aside / token)
 
 
 def staged(store: Store) -> Record | None:

@@ -473,3 +473,26 @@ def test_the_profile_key_edits_sets_review_mode(daemon: Daemon) -> None:
     assert (daemon.work / "s.txt").read_text() == "staged\n"
     # (A !cmd before any turn: its checkpoint is turn 0.)
     assert daemon.read(f"s/{sid}/checkpoints/1/turn") == "0\t!\n"
+
+
+def test_a_call_whose_directory_went_away_meanwhile_still_lands(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    (w / "sub").mkdir()
+    (w / "sub" / "old.txt").write_text("o\n")
+    code = (
+        "echo new > sub/new.txt; mkfifo $OLLIE_TMP/f; echo up > $OLLIE_TMP/up;"
+        " cat $OLLIE_TMP/f > /dev/null"
+    )
+    daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1")), reply("ok")))
+    sid = daemon.new(name="gone", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
+    daemon.prompt(sid, "go")
+    tmp = daemon.home / "data" / "tmp" / sid
+    daemon.wait_for(lambda: (tmp / "up").exists())
+    (w / "sub" / "old.txt").unlink()
+    (w / "sub").rmdir()  # the user removes the directory the call writes into
+    with open(tmp / "f", "w") as f:
+        f.write("go\n")
+    daemon.wait_idle(sid)
+    assert (w / "sub" / "new.txt").read_text() == "new\n"
+    assert daemon.read(f"s/{sid}/checkpoints/1/files") == "A\tsub/new.txt\n"
