@@ -365,6 +365,7 @@ def _put(upper: str, real: str, rel: str) -> None:
         if stat.S_ISDIR(os.lstat(dst).st_mode):
             shutil.rmtree(dst)
     # (its directory may have been removed on disk while the call ran)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
     try:
         os.rename(src, dst)
         return
