@@ -49,6 +49,11 @@ class CallRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     args: dict[str, Any] = {}
     cwd: str = ""
     env: dict[str, str] = {}
+    # Checkpoints: the session's store under toolsrv's --capture-dir (empty: no capture),
+    # and the conversation's turn the call belongs to (toolsrv.checkpoint).
+    capture: str = ""
+    turn: int = 0
+    review: bool = False  # the changes wait in the store's staged dir (not applied)
 
 
 class Content(msgspec.Struct, frozen=True):
@@ -61,6 +66,8 @@ class CallResult(msgspec.Struct, frozen=True):
 
     content: list[Content]
     isError: bool = False  # the wire name (SPEC 5)
+    # The record of what the call changed (toolsrv.checkpoint); absent: none.
+    checkpoint: int | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def text(self) -> str:

@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tmp-dir", required=True, help="root of the per-session tmp dirs")
     p.add_argument(
+        "--capture-dir", default="", help="root of the sessions' checkpoint stores (none: off)"
+    )
+    p.add_argument(
         "--hide",
         action="append",
         default=[],
@@ -112,6 +115,7 @@ async def serve(
             tmp_root=tmp_root,
             nursery=nursery,
             executor=executor,
+            capture_root=Path(args.capture_dir) if args.capture_dir else None,
         )
         if args.mcp_dir:
             fs.mcp = McpServers(

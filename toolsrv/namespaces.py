@@ -698,3 +698,57 @@ def lookup_chain(path: str, lstat: dict[str, os.stat_result | None]) -> list[str
             continue
         cur = entry
     return out
+
+
+_NR_FSOPEN = 430
+_NR_FSCONFIG = 431
+_NR_FSMOUNT = 432
+_FSCONFIG_SET_STRING = 1
+_FSCONFIG_CMD_CREATE = 6
+
+
+def make_mount(fstype: str, options: Sequence[tuple[str, str]]) -> int:
+    """A new detached mount of ``fstype`` (fsopen, fsconfig, fsmount): its paths are
+    looked up where the calling thread is, and the fd can be attached in another mount
+    namespace (`move_mount`)."""
+    fs = _check(
+        _libc.syscall(ctypes.c_long(_NR_FSOPEN), fstype.encode(), ctypes.c_uint(1)), "fsopen"
+    )
+    try:
+        for key, value in options:
+            rc = _libc.syscall(
+                ctypes.c_long(_NR_FSCONFIG),
+                ctypes.c_int(fs),
+                ctypes.c_uint(_FSCONFIG_SET_STRING),
+                key.encode(),
+                os.fsencode(value),
+                ctypes.c_int(0),
+            )
+            _check(rc, f"fsconfig {fstype} {key}")
+        rc = _libc.syscall(
+            ctypes.c_long(_NR_FSCONFIG),
+            ctypes.c_int(fs),
+            ctypes.c_uint(_FSCONFIG_CMD_CREATE),
+            None,
+            None,
+            ctypes.c_int(0),
+        )
+        _check(rc, f"fsconfig {fstype} create")
+        return _check(
+            _libc.syscall(
+                ctypes.c_long(_NR_FSMOUNT), ctypes.c_int(fs), ctypes.c_uint(1), ctypes.c_uint(0)
+            ),
+            f"fsmount {fstype}",
+        )
+    finally:
+        os.close(fs)
+
+
+def clone_mount(fd: int) -> int:
+    """A detached copy of the mount ``fd`` (a `make_mount` one, kept for several calls)."""
+    flags = _OPEN_TREE_CLONE | _AT_RECURSIVE | _AT_EMPTY_PATH | os.O_CLOEXEC
+    rc = _libc.syscall(ctypes.c_long(_NR_OPEN_TREE), ctypes.c_int(fd), b"", ctypes.c_uint(flags))
+    return _check(rc, "open_tree (clone of a mount)")
+
+
+_AT_EMPTY_PATH = 0x1000

@@ -32,9 +32,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from olliewire.checkpoints import PROTECTED_NAMES  # the names both sides keep away from tools
+
 log = logging.getLogger(__name__)
 
-PROTECTED_NAMES = frozenset({".git", ".ollie"})
 MAX_DIRS = 200_000
 """A root with more directories than this is scanned that far only (and a warning logged)."""
 # A directory modified this recently may change again within the same coarse timestamp

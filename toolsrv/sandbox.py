@@ -54,8 +54,10 @@ from landlock.plumbing import (
     get_restrict_self,
 )
 
+from olliewire.checkpoints import PROTECTED_NAMES
 from toolsrv import namespaces, seccomp
-from toolsrv.protect import PROTECTED_NAMES, ProtectedScan
+from toolsrv.checkpoint import Overlay
+from toolsrv.protect import ProtectedScan
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +289,7 @@ class Prepared:
     ns_serial: int | None = None  # which kept namespace ``mount_ns_fd`` is
     owns_ns_fds: bool = False  # ``mount_ns_fd`` and ``netns_fd`` are ours (`copy`)
     ids: namespaces.Ids = field(default_factory=dict)  # identities seen preparing it
+    overlay: Overlay | None = None  # checkpoints: the overlay over the cwd (toolsrv.checkpoint)
 
     @property
     def protect(self) -> tuple[str, ...]:
@@ -324,6 +327,8 @@ class Prepared:
         (`toolsrv.exec.spawn.Spawner.prestart`), for the next call like it.
         """
         if self.ruleset_fd is not None and (self.owns_ruleset or self.ruleset_key is None):
+            return None
+        if self.overlay is not None:  # (one call's own upper dir)
             return None
         if self.mounts is not None and (self.mount_ns_fd is None or self.ns_serial is None):
             return None
@@ -374,6 +379,8 @@ class Prepared:
                 self.mounts.apply()
                 if self.keep_ns:
                     self.built_ns_fd = namespaces.this_mount_ns()
+        if self.overlay is not None and self.mounts is not None:
+            self.overlay.enter(self.ruleset_fd)  # (checkpoints)
         if self.netns_fd is not None:
             namespaces.setns(self.netns_fd, namespaces.CLONE_NEWNET)
         if not bounding_dropped:
@@ -758,3 +765,6 @@ def _add_entries_except(ruleset: int, top: str, access: int, away: frozenset[str
                 _add_rule(ruleset, entry.path, access)
             except FileNotFoundError:  # removed meanwhile
                 continue
+
+
+add_rule = _add_rule

@@ -57,7 +57,7 @@ from olliewire import (
     Content,
     check_secret,
 )
-from toolsrv import sandbox
+from toolsrv import checkpoint, sandbox
 from toolsrv.exec import ExecResult, Executor
 from toolsrv.mcp import McpServers
 from toolsrv.registry import AgentTools, ToolError, ToolInfo, ToolRegistry
@@ -202,8 +202,10 @@ class ToolServer(BaseFileSystem[Node, Handle]):
         nursery: trio.Nursery,
         executor: Executor,
         initial_tools: tuple[str, ...] = (),
+        capture_root: Path | None = None,
     ) -> None:
         self.key = key
+        self.capture_root = capture_root  # checkpoints (toolsrv.checkpoint)
         self.executor = executor
         self.registry = registry
         self.sandbox_dirs = sandbox_dirs
@@ -584,6 +586,7 @@ class ToolServer(BaseFileSystem[Node, Handle]):
             return CallResult([Content(f"sandbox profile {info.sandbox!r}: {err}")], True)
         tmp = self.tmp_dir(req, agent)
         timeout = min(info.timeout, profile.timeout_cap)
+        overlay = await checkpoint.begin(self.capture_root, req, profile.unsandboxed)
         try:
             res = await self.executor.run(
                 [info.path],
@@ -594,10 +597,14 @@ class ToolServer(BaseFileSystem[Node, Handle]):
                 tmp_dir=str(tmp),
                 profile=profile,
                 timeout=timeout,
+                capture=overlay,
             )
         except sandbox.SandboxError as err:
             return CallResult([Content(str(err))], True)
-        return render_result(res, timeout, info.sandbox)
+        finally:
+            seq = await checkpoint.end(overlay)
+        result = render_result(res, timeout, info.sandbox)
+        return msgspec.structs.replace(result, checkpoint=seq) if seq else result
 
     async def clunk(self, handle: Handle) -> None:
         node = handle.node

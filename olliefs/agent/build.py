@@ -49,6 +49,7 @@ class Runtime:
     hook_failure: HookFailure
     hook_timeout: float
     text_tool_calls: bool | None = None  # None: the backend's default
+    edits: str | None = None  # ``edits``: direct or review (None: the session keeps its own)
     description: str = ""
     notes: list[str] = field(default_factory=list)  # startup messages for chat (":: ...")
 
@@ -141,6 +142,7 @@ async def build_runtime(
         hook_failure=profile.hook_failure,
         hook_timeout=profile.hook_timeout,
         text_tool_calls=profile.text_tool_calls,
+        edits=profile.edits,
         description=profile.description,
         notes=notes,
     )

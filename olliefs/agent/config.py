@@ -14,7 +14,7 @@ back unchanged is accepted (editors save the whole file), changing it is refused
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -38,6 +38,7 @@ class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     thinking_budget: Budget | None = None
+    edits: Literal["direct", "review"] = "direct"  # checkpoints: applied or staged
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -72,8 +73,8 @@ class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 # Keys as ``cfg`` shows them, in order; the generation parameters may be empty (unset).
 KEYS = ("state", "backend", "model", "agent", "cwd", "maxTokens", "temperature",
-        "frequencyPenalty", "presencePenalty", "thinkingBudget")  # fmt: skip
-PARAM_KEYS = KEYS[5:]
+        "frequencyPenalty", "presencePenalty", "thinkingBudget", "edits")  # fmt: skip
+PARAM_KEYS = KEYS[5:10]
 _FIELD_TYPES = {
     "maxTokens": MaxTokens | None,
     "temperature": Temperature | None,

@@ -50,7 +50,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -71,6 +71,7 @@ _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 MaxSteps = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
 ThinkingBudget = Annotated[int, msgspec.Meta(ge=0, le=10_000_000)]
 HookTimeout = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+CheckpointLimit = Annotated[int, msgspec.Meta(ge=0)]
 Prompt = str | list[str]
 """A prompt value: literal text / a file name (string), or shell commands (array)."""
 
@@ -102,6 +103,8 @@ class Profile(
     hook_failure: HookFailure = "warn"
     hook_timeout: HookTimeout = HOOK_TIMEOUT
     text_tool_calls: bool | None = None
+    edits: Literal["direct", "review"] | None = None  # checkpoints: cfg edits
+    checkpoint_limit: CheckpointLimit | None = None  # bytes of pre-images kept
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into a ValidationError, so these checks report

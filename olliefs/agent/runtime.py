@@ -35,6 +35,8 @@ class ToolLink:
         self.toolsrv = toolsrv
         self.agent_id = agent_id
         self.wanted = list(wanted)
+        # Checkpoints: the (store, turn) each call is captured under (None: not captured).
+        self.capture: Callable[[], tuple[str, int, bool]] | None = None
         self.metas: dict[str, ToolMeta] = {}
         self.tools: list[Tool] = []
         self.catalogue: dict[str, ToolMeta] = {}
@@ -115,10 +117,18 @@ class ToolLink:
                     raise
 
     async def call(
-        self, name: str, args: dict[str, Any], cwd: str, env: Mapping[str, str]
+        self,
+        name: str,
+        args: dict[str, Any],
+        cwd: str,
+        env: Mapping[str, str],
+        capture: tuple[str, int, bool] | None = None,
     ) -> CallResult:
+        """``capture``: (store, turn) of the checkpoints (default: ``self.capture``)."""
         conn = await self.ready()
-        return await conn.call(name, args, cwd, env)
+        if capture is None:
+            capture = self.capture() if self.capture is not None else ("", 0, False)
+        return await conn.call(name, args, cwd, env, capture)
 
     async def warm(self, n: int) -> None:
         """Procs made ahead for a round of ``n`` calls (best effort: errors show later)."""

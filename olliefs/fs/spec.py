@@ -36,6 +36,7 @@ from olliefs.fs.nodes import (
     Watchable,
 )
 from olliefs.fs.profiles import ProfilesDir
+from olliefs.session import checkpoints
 from olliefs.session.commands import help_text
 from olliefs.session.registry import CATALOGUE_MAX_AGE, NEW_TEMPLATE, Registry
 from olliefs.session.session import MAX_PROMPT, Session
@@ -123,7 +124,108 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
         "taskstate": text("taskstate", a.taskstate_text),
         "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
         "t": session_tools(reg, s, stamp("t/idx")),
+        "checkpoints": CheckpointsDir(reg, s),
+        "staged": ViewDir(
+            ("s", u, "staged"),
+            lambda: {
+                "files": Text(("s", u, "staged", "files"), lambda: _staged(reg, s, "files")),
+                "diff": Text(("s", u, "staged", "diff"), lambda: _staged(reg, s, "diff")),
+            },
+            live,
+            s.created,
+        ),
     }
+
+
+def _staged(reg: Registry, s: Session, what: str) -> str:
+    """``staged/files`` and ``staged/diff``: the edits waiting for review."""
+    st = checkpoints.store(reg.checkpoints_root(), s.uid)
+    rec = checkpoints.staged(st)
+    if rec is None:
+        return ""
+    changes = checkpoints.staged_net(rec)
+    if what == "files":
+        return checkpoints.files_text(changes)
+    return checkpoints.diff_text(st, changes)
+
+
+class CheckpointsDir(Dir):
+    """``checkpoints/``: ``diff`` of the whole session, and one directory per turn that
+    changed files (``files``, ``diff``, ``turn``), read from the store toolsrv fills."""
+
+    entry_ttl = 0.0  # a call of the session adds one
+
+    def __init__(self, reg: Registry, s: Session) -> None:
+        self.key = ("s", s.uid, "checkpoints")
+        self.reg = reg
+        self.s = s
+
+    def _store(self) -> checkpoints.Store:
+        return checkpoints.store(self.reg.checkpoints_root(), self.s.uid)
+
+    def _turn_text(self, turn: int, sealed: bool = False) -> str:
+        s = self.s
+        if sealed:
+            return f"{turn}\t(a conversation since cleared or compacted)\n"
+        if turn == 0 or turn > len(s.turn_starts):
+            return f"{turn}\t!\n"
+        msgs = s.agent.history.messages
+        i = s.turn_starts[turn - 1]
+        first = msgs[i].content.splitlines()[0] if i < len(msgs) and msgs[i].content else ""
+        return f"{turn}\t{first}\n"
+
+    def _one(self, n: int, cp: checkpoints.Checkpoint) -> Node:
+        u = self.s.uid
+        st = self._store()
+
+        def files() -> str:
+            return checkpoints.files_text(checkpoints.net(cp.records))
+
+        def diff() -> str:
+            return checkpoints.diff_text(st, checkpoints.net(cp.records))
+
+        key = ("s", u, "checkpoints", str(n))
+        return ViewDir(
+            key,
+            lambda: {
+                "files": Text((*key, "files"), files),
+                "diff": Text((*key, "diff"), diff),
+                "turn": Text((*key, "turn"), lambda: self._turn_text(cp.turn, cp.sealed)),
+            },
+            lambda: not self.s.closed,
+        )
+
+    def _whole(self) -> str:
+        st = self._store()
+        return checkpoints.diff_text(st, checkpoints.net(st.records()))
+
+    def entries(self) -> Iterable[tuple[str, Node]]:
+        cps = checkpoints.checkpoints(self._store())
+        out: list[tuple[str, Node]] = [
+            ("diff", Text(("s", self.s.uid, "checkpoints", "diff"), self._whole))
+        ]
+        out += [(str(i), self._one(i, cp)) for i, cp in enumerate(cps, 1)]
+        return out
+
+    def valid(self) -> bool:
+        return not self.s.closed
+
+    async def unlink(self, name: str) -> None:
+        pass  # rm -r of the session goes through
+
+    async def rmdir(self, name: str) -> None:
+        pass
+
+
+class ViewDir(StaticDir):
+    """A read-only view inside a session directory: unlink and rmdir succeed and do
+    nothing, so ``rm -r`` of the session goes through."""
+
+    async def unlink(self, name: str) -> None:
+        pass
+
+    async def rmdir(self, name: str) -> None:
+        pass
 
 
 async def _ready(s: Session, fresh: Callable[[], Awaitable[None]]) -> None:
@@ -183,7 +285,7 @@ class PeerDir(Dir):
 
 
 # The sub-directories of a session directory (its nlink, without building its files).
-SESSION_SUBDIRS = ("branches", "peer", "compactions", "t")
+SESSION_SUBDIRS = ("branches", "peer", "compactions", "t", "checkpoints", "staged")
 
 
 class SessionDir(StaticDir):

@@ -150,6 +150,8 @@ def _model(s: Session, arg: str, p: Pending) -> Apply:
 def _cwd(s: Session, arg: str, p: Pending) -> Apply:
     path = resolve_cwd(arg)
     p.caller.check_dir(path, "cwd")
+    if path != s.cwd and s.host.staged(s):  # (staged against the cwd)
+        raise Busy("cwd: edits are staged (ctl accept or ctl reject them)")
     return lambda: s.set_cfg({"cwd": path})
 
 
@@ -246,12 +248,35 @@ def _fork(s: Session, arg: str, p: Pending) -> Apply:
     return lambda: s.host.fork(s, name, n)
 
 
-@command("rewind", "one", "drop the last n turns (kept under branches/)", while_running=False)
+@command("rewind", "rest", "rewind n [chat|files] [force]: drop the last n turns (kept under "
+         "branches/) and restore the files they changed", while_running=False)  # fmt: skip
 def _rewind(s: Session, arg: str, p: Pending) -> Apply:
-    n = _count("rewind", arg, 1, max(s.turns(), 1))
+    parts = arg.split()
+    force = "force" in parts
+    rest = [x for x in parts[1:] if x != "force"]
+    if not parts or len(rest) > 1 or (rest and rest[0] not in ("chat", "files")):
+        raise InvalidRequest("rewind: rewind <n> [chat|files] [force]")
+    n = _count("rewind", parts[0], 1, max(s.turns(), 1))
     if s.turns() == 0:
         raise InvalidRequest("rewind: no turn to drop")
-    return lambda: s.host.rewind(s, n)
+    what = rest[0] if rest else "both"
+    if what != "chat" and not force:
+        s.host.check_rewind(s, n)  # (raises Busy: nothing is done)
+    return lambda: s.host.rewind(s, n, what)
+
+
+@command("accept", "any", "accept [path...]: apply the edits staged for review (all or those)",
+         while_running=False)  # fmt: skip
+def _accept(s: Session, arg: str, p: Pending) -> Apply:
+    chosen = s.host.check_review(s, "accept", shlex.split(arg))
+    return lambda: s.host.review(s, "accept", chosen)
+
+
+@command("reject", "any", "reject [path...]: drop the edits staged for review (all or those)",
+         while_running=False)  # fmt: skip
+def _reject(s: Session, arg: str, p: Pending) -> Apply:
+    chosen = s.host.check_review(s, "reject", shlex.split(arg))
+    return lambda: s.host.review(s, "reject", chosen)
 
 
 @command("compact", "any", "compact [focus]: summarize the history now, as the session's work "

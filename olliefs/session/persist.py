@@ -525,7 +525,9 @@ def keep_as(src: Path, directory: Path, stamp: str, sid: str, ext: str) -> Path:
     return dest
 
 
-def write_branch(root: Path, k: int, messages: Sequence[Message], chat: bytes) -> None:
+def write_branch(
+    root: Path, k: int, messages: Sequence[Message], chat: bytes, diff: bytes | None = None
+) -> None:
     """``root/<k>/{context,chat}``: the history and chat a rewind took away, durably.
 
     Written in ``.<k>.tmp`` and renamed: a crash in here leaves ``<k>`` whole or absent,
@@ -540,7 +542,10 @@ def write_branch(root: Path, k: int, messages: Sequence[Message], chat: bytes) -
     tmp.mkdir(mode=0o700)
     try:
         ctx = b"".join(_encoder.encode(m) + b"\n" for m in messages)
-        for name, data in (("context", ctx), ("chat", chat)):
+        files = [("context", ctx), ("chat", chat)]
+        if diff is not None:  # what the rewound turns did to the files (checkpoints)
+            files.append(("diff", diff))
+        for name, data in files:
             with open(tmp / name, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -37,7 +37,7 @@ from olliefs.errors import (
     short_reason,
 )
 from olliefs.live import GrowingLog
-from olliefs.session import persist
+from olliefs.session import checkpoints, persist
 from olliefs.session.commands import split_request
 from olliefs.session.complete import Completer
 from olliefs.session.session import Session, journal_path
@@ -45,6 +45,7 @@ from olliefs.settings import Paths, agent_names, shipped_dir
 from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
 from olliewire import ToolMeta
+from olliewire.checkpoints import Change
 
 if TYPE_CHECKING:
     from olliefs.backend import pool
@@ -60,6 +61,7 @@ DEFAULT_MODEL = "gpt-4o-mini"
 # which always holds a '-').
 TREE_AGENT = "olliefs_tree"
 PROFILE_PARAMS = (
+    "edits",
     "maxTokens",
     "temperature",
     "frequencyPenalty",
@@ -502,6 +504,19 @@ class Registry:
             theirs = f"with the first {n} messages"
         s = await self._make(name, src.cfg, extra, lambda _: mine)
         src.emit("info", f"forked into {s.id}{',' if checkpoint else ''} {theirs}")
+        # Checkpoints: the fork shares those of the turns it has.
+        turns = 0 if checkpoint else sum(1 for start in src.turn_starts if start < n)
+        root = self.checkpoints_root()
+        try:
+            await trio.to_thread.run_sync(
+                checkpoints.share,
+                checkpoints.store(root, src.uid),
+                checkpoints.store(root, s.uid),
+                turns,
+            )
+        except OSError as err:
+            log.warning("fork %s: checkpoints not shared: %s", s.id, err)
+            s.error(f"the checkpoints of {src.id} are not shared ({err.strerror or err})")
 
     async def _make(
         self, name: str | None, cfg: Cfg, extra: list[persist.Record], info: Callable[[str], str]
@@ -581,24 +596,129 @@ class Registry:
     def compactions_root(self) -> Path:
         return self.paths.state / "compactions"
 
+    def checkpoints_root(self) -> Path:
+        """Where toolsrv keeps the sessions' checkpoint stores (``--capture-dir``)."""
+        return self.paths.state / "checkpoints"
+
     def branches_dir(self, s: Session) -> Path:
         return self.paths.state / "branches" / s.uid
 
-    async def rewind(self, s: Session, n: int) -> None:
+    def check_rewind(self, s: Session, n: int) -> None:
+        """Refuse (Busy, the paths in the reason) a rewind of files something else changed
+        since the session left them."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        undone = checkpoints.undone_by(st, s.turns() - n + 1)
+        gone = sorted({r.turn for r in undone if r.trimmed})
+        if gone:
+            raise InvalidRequest(
+                f"rewind: the content before turn {gone[-1]} was dropped (checkpointLimit): "
+                "its files cannot be restored (rewind n chat rewinds the conversation only)"
+            )
+        bad = checkpoints.conflicts(st, undone)
+        if bad:
+            reason = (
+                f"session {s.id}: rewind: changed since by something else: "
+                + ", ".join(bad[:20])
+                + (f" (and {len(bad) - 20} more)" if len(bad) > 20 else "")
+                + " (rewind n force to restore them anyway)"
+            )
+            # Another session or the user made the conflict: the root err says it too.
+            self.last_error = short_reason(reason)
+            raise Busy(reason)
+
+    def trim_checkpoints(self, s: Session) -> None:
+        """After each turn or ``!cmd``: the size cap (``checkpointLimit``)."""
+        limit = self.profile(s.cfg.agent).get("checkpointLimit")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            limit = checkpoints.LIMIT
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        try:
+            dropped = checkpoints.trim(st, limit)
+        except OSError as err:
+            log.warning("session %s: checkpoints not trimmed: %s", s.id, err)
+            return
+        for turn in dropped:
+            s.emit(
+                "info",
+                f"checkpoints over checkpointLimit ({limit} bytes): the content before turn "
+                f"{turn}'s edits is dropped; a rewind past it is refused",
+            )
+
+    def seal_checkpoints(self, s: Session) -> None:
+        """The conversation's turns are counted afresh (clear, compaction, agent): no
+        rewind reaches the checkpoints made so far."""
+        try:
+            checkpoints.seal(checkpoints.store(self.checkpoints_root(), s.uid))
+        except OSError as err:
+            log.warning("session %s: checkpoints not sealed: %s", s.id, err)
+
+    def staged(self, s: Session) -> bool:
+        """Whether edits wait for review (``cfg edits=review``)."""
+        rec = checkpoints.staged(checkpoints.store(self.checkpoints_root(), s.uid))
+        return rec is not None and bool(rec.changes)
+
+    def check_review(self, s: Session, verb: str, paths: list[str]) -> list[Change]:
+        """The staged changes ``ctl accept``/``ctl reject`` of ``paths`` would take
+        (InvalidRequest: nothing staged there; Busy: for accept, a path changed on disk
+        since it was staged)."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        rec = checkpoints.staged(st)
+        if rec is None or not rec.changes:
+            raise InvalidRequest(f"{verb}: no edit is staged")
+        try:
+            chosen = checkpoints.chosen(rec, paths)
+        except ValueError as err:
+            raise InvalidRequest(f"{verb}: {err}") from None
+        bad = checkpoints.accept_conflicts(rec, chosen) if verb == "accept" else []
+        if bad:
+            reason = f"session {s.id}: accept: changed on disk since staged: " + ", ".join(bad)
+            self.last_error = short_reason(reason)
+            raise Busy(reason)
+        return chosen
+
+    async def review(self, s: Session, verb: str, chosen: list[Change]) -> None:
+        """``ctl accept``/``ctl reject``: the staged changes applied (as a checkpoint of
+        the current turn) or dropped."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        rec = checkpoints.staged(st)
+        if rec is None:
+            return
+        everything = len(chosen) == len(rec.changes)
+        if verb == "accept":
+            await trio.to_thread.run_sync(checkpoints.accept, st, rec, chosen, s.turns())
+        else:
+            await trio.to_thread.run_sync(checkpoints.unstage, st, chosen, everything)
+        s.emit("info", f"{verb}ed {len(chosen)} staged change(s)")
+
+    async def rewind(self, s: Session, n: int, what: str = "both") -> None:
         """``ctl rewind``: the last ``n`` turns leave the history at once; what the
         history and chat were before is written to ``branches/<k>/`` before the write
         returns. The Rewind record comes first (so no record of a turn can slip in
         between the cut and its record); a crash before the branch is on disk leaves the
         record without its branch, and the restore rebuilds the branch from the journal
         (``Session.replay``)."""
-        before = list(s.agent.history.messages)
-        chat_size = len(s.chat)
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        undone = checkpoints.undone_by(st, s.turns() - n + 1)
         root = self.branches_dir(s)
         k = s.branches + 1
+        diff: bytes | None = None
+        if undone:  # (checkpoints: the files first, then the records leave)
+            text = checkpoints.diff_text(st, checkpoints.net(undone))
+            diff = text.encode()
+            if what != "chat":
+                await trio.to_thread.run_sync(checkpoints.restore, st, undone)
+            name = str(k) if what != "files" else f"files-{undone[-1].seq}"
+            await trio.to_thread.run_sync(checkpoints.move_to_branch, st, undone, name, text)
+            if what != "chat":
+                s.emit("info", f"restored {len(checkpoints.net(undone))} file(s)")
+        if what == "files":
+            return
+        before = list(s.agent.history.messages)
+        chat_size = len(s.chat)
         s.rewind_to(n, k)
 
         def write() -> None:
-            persist.write_branch(root, k, before, s.chat.read(0, chat_size))
+            persist.write_branch(root, k, before, s.chat.read(0, chat_size), diff)
 
         try:
             await trio.to_thread.run_sync(write)
@@ -609,13 +729,20 @@ class Registry:
             why = err.strerror or err
             s.error(f"branches/{k} not written ({why}); it is written at the next start")
 
-    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]:
+    async def run_shell(
+        self,
+        cmd: str,
+        cwd: str,
+        env: Mapping[str, str],
+        capture: tuple[str, int, bool] = ("", 0, False),
+    ) -> tuple[str, bool]:
         """A ``!cmd`` prompt: bash through toolsrv's ``execute_code``, sandboxed like any
         tool (the user typed it, but a prompt can also come from an agent or a peer)."""
         link = self._tree_link
         if "execute_code" not in link.wanted:
             link.set_wanted([*link.wanted, "execute_code"])
-        result = await link.call("execute_code", {"code": cmd, "language": "bash"}, cwd, env)
+        args = {"code": cmd, "language": "bash"}
+        result = await link.call("execute_code", args, cwd, env, capture)
         return result.text.rstrip("\n"), result.isError
 
     def _from_create(self, rec: persist.Create, journal: persist.Journal) -> Session:
@@ -693,12 +820,27 @@ class Registry:
             try:
                 persist.keep_as(s.journal.path, self.paths.transcripts, stamp, s.id, ".jsonl")
                 persist.sync_dir(self.paths.sessions)
+                self._keep_checkpoints(s, stamp)
             except OSError as err:
                 # Not moved: the session comes back at the next start, nothing is lost.
                 log.warning("session %s: journal not moved to the transcripts: %s", s.id, err)
                 raise disk_error(err, "the journal of the killed session") from None
 
         await trio.to_thread.run_sync(move)
+
+    def _keep_checkpoints(self, s: Session, stamp: str) -> None:
+        """Beside the transcript of a removed session: ``STAMP-ID.diff``, what all its
+        checkpoints changed (the store itself stays in the state dir)."""
+        st = checkpoints.store(self.checkpoints_root(), s.uid)
+        try:
+            diff = checkpoints.diff_text(st, checkpoints.net(st.records()))
+            if not diff:
+                return
+            tmp = self.paths.transcripts / f".{stamp}-{s.id}.diff.tmp"
+            tmp.write_bytes(diff.encode())
+            persist.keep_as(tmp, self.paths.transcripts, stamp, s.id, ".diff")
+        except OSError as err:
+            log.warning("session %s: its checkpoints' diff not kept in tr/: %s", s.id, err)
 
     def restore(self) -> None:
         """Bring back every journalled session (at daemon start).

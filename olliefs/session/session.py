@@ -65,6 +65,7 @@ from olliefs.session.commands import Apply
 from olliefs.session.persist import Journal, Record
 from olliefs.toolclient.client import ToolsrvError
 from olliefs.toolclient.spawn import Toolsrv
+from olliewire.checkpoints import Change
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,19 @@ class SessionHost(Protocol):
 
     async def save(self, s: Session) -> None: ...
 
-    async def rewind(self, s: Session, n: int) -> None: ...
+    async def rewind(self, s: Session, n: int, what: str = "both") -> None: ...
+
+    def check_rewind(self, s: Session, n: int) -> None: ...
+
+    def staged(self, s: Session) -> bool: ...
+
+    def trim_checkpoints(self, s: Session) -> None: ...
+
+    def seal_checkpoints(self, s: Session) -> None: ...
+
+    def check_review(self, s: Session, verb: str, paths: list[str]) -> list[Change]: ...
+
+    async def review(self, s: Session, verb: str, chosen: list[Change]) -> None: ...
 
     def compactions_root(self) -> Path: ...
 
@@ -124,7 +137,13 @@ class SessionHost(Protocol):
 
     async def refresh_tools(self) -> None: ...
 
-    async def run_shell(self, cmd: str, cwd: str, env: Mapping[str, str]) -> tuple[str, bool]: ...
+    async def run_shell(
+        self,
+        cmd: str,
+        cwd: str,
+        env: Mapping[str, str],
+        capture: tuple[str, int, bool] = ("", 0, False),
+    ) -> tuple[str, bool]: ...
 
     async def context_length(self, backend: str, model: str) -> int: ...
 
@@ -198,6 +217,7 @@ class Session:
         journal.on_mended = self._journal_mended
         link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
         link.on_dropped = self._tool_dropped
+        link.capture = self.capture_key
         self.agent = Agent(
             self,
             host.services,
@@ -314,6 +334,7 @@ class Session:
     def history_replaced(self, messages: list[Message], n: int) -> None:
         self.record(persist.Replaced(messages, n))
         self.turn_starts = [0]  # the compacted history is one turn's start
+        self.host.seal_checkpoints(self)
 
     def taskstate_changed(self, state: TaskState) -> None:
         self.record(persist.TaskStateRec(state))
@@ -582,6 +603,7 @@ class Session:
             self._work_scope = None
             self._cut_turn = None
             self._running_seq = None
+            self.host.trim_checkpoints(self)  # (checkpoints: the size cap)
             self.renderer.end_turn()
             agent.history.totals.last_turn_cost = agent.turn_cost
             self.record(persist.TurnCost(agent.turn_cost))
@@ -632,7 +654,9 @@ class Session:
             return
         self.set_state("calling: !")
         try:
-            text, failed = await self.host.run_shell(cmd, self.cwd, self.agent.tool_env())
+            text, failed = await self.host.run_shell(
+                cmd, self.cwd, self.agent.tool_env(), self.capture_key()
+            )
         except ToolsrvError as err:
             self.error(f"!{cmd}: {err}")
             return
@@ -679,6 +703,11 @@ class Session:
 
     def turns(self) -> int:
         return len(self.turn_starts)
+
+    def capture_key(self) -> tuple[str, int, bool]:
+        """Checkpoints: the store and the turn a tool call or ``!cmd`` is captured under,
+        and whether its edits wait for review (``cfg edits=review``)."""
+        return (self.uid, len(self.turn_starts), self.cfg.edits == "review")
 
     def rewind_to(self, n: int, branch: int) -> None:
         """Drop the last ``n`` turns from the history, as branch number ``branch``."""
@@ -777,6 +806,14 @@ class Session:
         elif key == "cwd":
             new = resolve_cwd(value)
             caller.check_dir(new, "cfg cwd")
+            if new != current[key] and self.host.staged(self):  # (staged against the cwd)
+                raise Busy("cfg cwd: edits are staged (ctl accept or ctl reject them)")
+        elif key == "edits":
+            if value not in ("direct", "review"):
+                raise InvalidRequest(f"cfg edits: direct or review, not {value}")
+            if value == "direct" and self.host.staged(self):
+                raise Busy("cfg edits=direct: edits are staged (ctl accept or ctl reject them)")
+            new = value
         else:
             new = value
         if new == current[key]:
@@ -801,6 +838,8 @@ class Session:
         values: dict[str, Any] = {"agent": name}
         if rt.backend:
             values["backend"] = rt.backend
+        if rt.edits and not self.host.staged(self):  # (staged edits wait for review)
+            values["edits"] = rt.edits
         if rt.model:
             values["model"] = rt.model
         for key, v in (
@@ -816,6 +855,7 @@ class Session:
         tools = rt.initial_tools
         link = ToolLink(self.host.toolsrv, self.uid, tools)
         link.on_dropped = self._tool_dropped
+        link.capture = self.capture_key
         if self._nursery is not None:
             link.bind(self._nursery)
         old.close()
@@ -828,6 +868,7 @@ class Session:
         self.record(persist.Clear())
         self.agent.clear()
         self.turn_starts.clear()
+        self.host.seal_checkpoints(self)
         self.emit("info", f"agent {name}: tools {', '.join(tools) or 'none'}; history cleared")
         for note in rt.notes:
             self.emit("info", note)
@@ -912,6 +953,7 @@ class Session:
         self.record(persist.Clear(), strict=True)
         self.agent.clear()
         self.turn_starts.clear()
+        self.host.seal_checkpoints(self)
         self.emit("info", "history cleared")
 
     # ---- restore --------------------------------------------------------------------

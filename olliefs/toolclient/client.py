@@ -126,7 +126,12 @@ class ToolsrvConn:
             raise ToolsrvError(f"toolsrv: {err.ename}") from None
 
     async def call(
-        self, tool: str, args: Mapping[str, Any], cwd: str, env: Mapping[str, str]
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        cwd: str,
+        env: Mapping[str, str],
+        capture: tuple[str, int, bool] = ("", 0, False),
     ) -> CallResult:
         """Run one tool; the result JSON it answers.
 
@@ -137,7 +142,7 @@ class ToolsrvConn:
         and an open first; ``warm`` opens them ahead for a round of calls.
         """
         c = self.client
-        req = _json.encode(CallRequest(tool, dict(args), cwd, dict(env)))
+        req = _json.encode(CallRequest(tool, dict(args), cwd, dict(env), *capture))
         fid: int | None = None
         try:
             fid = self._idle.pop() if self._idle else await self._open_rpc()

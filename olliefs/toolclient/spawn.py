@@ -114,6 +114,8 @@ class Toolsrv:
             str(self.paths.config / "mcp"),
             "--mcp-cache",
             str(self.paths.state / "mcp"),
+            "--capture-dir",
+            str(self.paths.state / "checkpoints"),
             *hidden_args(self.paths),
             "--exit-with-stdin",
             "--log-level",

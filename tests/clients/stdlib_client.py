@@ -63,7 +63,8 @@ EXPECTED = {
             "cfg chat context cost ctl ctxsz env err events fifo.in fifo.out models offset "
             "plan prompt prompt.prev state statewait stream systemprompt tail taskstate "
             "tcct tools usage peer/NAME branches/K/chat branches/K/context t/idx t/* "
-            "compactions/N/before.jsonl compactions/N/summary compactions/N/dropped"
+            "compactions/N/before.jsonl compactions/N/summary compactions/N/dropped "
+            "checkpoints/diff staged/files staged/diff"
         ).split()
     ),
 }  # fmt: skip
@@ -533,6 +534,10 @@ def history_dirs(c: Client, sid: str) -> None:
     c.refuses_write(f"{d}/branches/1/chat")
     c.refuses_write(f"{d}/branches/1/context")
     c.refused(f"{d}/ctl", "rewind 99", errno.EINVAL, "rewind", f"{d}/err")
+    # No tool changed a file: no checkpoint, nothing staged.
+    for f in ("checkpoints/diff", "staged/files", "staged/diff"):
+        check(c.read(f"{d}/{f}") == "", f"{f} of a session that changed no file")
+        c.refuses_write(f"{d}/{f}")
     check(c.write(f"{d}/ctl", "save") == 0, "ctl save")
     saved = [n for n in os.listdir(c.p("tr")) if n.endswith(f"-{sid}.md")]
     check(len(saved) == 1, f"tr/ after ctl save: {os.listdir(c.p('tr'))}")

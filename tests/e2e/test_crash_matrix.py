@@ -274,12 +274,13 @@ def test_mid_stream(daemon_factory: Callable[..., Daemon]) -> None:
 
 
 def test_mid_tool(d: Daemon) -> None:
-    code = "echo $$ > pid; (trap '' TERM; sleep 1000) & echo $! >> pid; wait"
+    # In the session's tmp dir: the cwd shows a call's files when it ends (checkpoints).
+    code = "echo $$ > $OLLIE_TMP/pid; (trap '' TERM; sleep 1000) & echo $! >> $OLLIE_TMP/pid; wait"
     d.replay.add(script(calls(call("execute_code", {"code": code}, "c1"))))
     sid = d.new(name="tl")
     d.write(f"s/{sid}/ctl", "tool_load execute_code\ntool_load reasoning_think")
     d.prompt(sid, "go")
-    pids = d.work / "pid"
+    pids = d.home / "data" / "tmp" / sid / "pid"
     d.wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2)
     tools = [int(p) for p in pids.read_text().split()]
     chat, ctx = d.read(f"s/{sid}/chat"), context(d, sid)
@@ -599,9 +600,10 @@ GATE_TOOL = """#!/usr/bin/env python3
 # args: {"type": "object", "properties": {"size": {"type": "integer"}}}
 import json, os, sys
 args = json.loads(sys.stdin.buffer.read() or b"{}")
-with open("pid", "w") as f:
+tmp = os.environ["OLLIE_TMP"]  # (the cwd shows a call's files when it ends)
+with open(os.path.join(tmp, "pid"), "w") as f:
     f.write(str(os.getpid()))
-with open("gate") as g:
+with open(os.path.join(tmp, "gate")) as g:
     g.read()
 sys.stdout.write("a" * args.get("size", 0) + "end\\n")
 """
@@ -623,8 +625,6 @@ def test_toolsrv_killed(daemon_factory: Callable[..., Daemon], point: str) -> No
     (tools / "crash_gate").write_text(GATE_TOOL)
     (tools / "crash_gate").chmod(0o755)
     d.start()
-    gate = d.work / "gate"
-    os.mkfifo(gate)
     size = 1 << 20 if point == "output streaming back" else 0  # more than a pipe holds
     think = calls(call("reasoning_think", {"thought": "x"}, "c2"))
     gated = calls(call("crash_gate", {"size": size}, "c1"))
@@ -637,9 +637,11 @@ def test_toolsrv_killed(daemon_factory: Callable[..., Daemon], point: str) -> No
     d.write(f"s/{sid}/ctl", "tool_load crash_gate\ntool_load reasoning_think")
     d.prompt(sid, "warm")  # toolsrv up, the tools loaded, a proc slot made ahead
     d.wait_idle(sid)
+    gate = d.home / "data" / "tmp" / sid / "gate"  # (made by the warm call)
+    os.mkfifo(gate)
     (server,) = toolsrv_pids(d)
     d.allowed_errors.append("toolsrv")  # its death is logged as a warning
-    pidfile = d.work / "pid"
+    pidfile = d.home / "data" / "tmp" / sid / "pid"
     asked = len(d.replay.requests)
     d.prompt(sid, "go")
     if point == "before spawn":

@@ -275,15 +275,25 @@ def test_big_results_are_cut_with_a_note(daemon: Daemon) -> None:
     assert Path(path).read_text() == full.rstrip("\n")
 
 
+def tool_tmp(daemon: Daemon, sid: str) -> Path:
+    """The session's tmp dir, where a running tool's files are seen at once."""
+    return daemon.home / "data" / "tmp" / sid
+
+
 def start_stubborn_tool(daemon: Daemon) -> tuple[str, list[int]]:
     """A session running a tool (and a child) that ignore SIGTERM; their pids."""
     w = workdir(daemon)
-    code = "trap '' TERM; (trap '' TERM; sleep 1000) & echo $! > pids; echo $$ >> pids; wait"
+    # The pids go to the session's tmp dir: what a call writes in the cwd shows there
+    # only when the call ends (checkpoints).
+    code = (
+        "trap '' TERM; (trap '' TERM; sleep 1000) & echo $! > $OLLIE_TMP/pids;"
+        " echo $$ >> $OLLIE_TMP/pids; wait"
+    )
     daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1"))))
     sid = daemon.new(name="t", cwd=str(w))
     daemon.write(f"s/{sid}/ctl", "tool_load execute_code")
     daemon.prompt(sid, "go")
-    pids_file = w / "pids"
+    pids_file = tool_tmp(daemon, sid) / "pids"
     daemon.wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2)
     return sid, [int(x) for x in pids_file.read_text().split()]
 
@@ -305,8 +315,8 @@ def test_sigkill_of_toolsrv_mid_call_cuts_the_call_and_the_turn_goes_on(daemon: 
     escapee die with it; the call is answered plainly; the turn and the next prompt go on."""
     w = workdir(daemon)
     code = (
-        "(setsid sleep 4242 & echo $! >> pids); (trap '' TERM; sleep 1000) & echo $! >> pids;"
-        " echo $$ >> pids; wait"
+        "(setsid sleep 4242 & echo $! >> $OLLIE_TMP/pids); (trap '' TERM; sleep 1000) &"
+        " echo $! >> $OLLIE_TMP/pids; echo $$ >> $OLLIE_TMP/pids; wait"
     )
     think = calls(call("reasoning_think", {"thought": "x"}, "c2"))
     daemon.replay.add(
@@ -317,7 +327,7 @@ def test_sigkill_of_toolsrv_mid_call_cuts_the_call_and_the_turn_goes_on(daemon: 
     sid = daemon.new(name="t", cwd=str(w))
     daemon.write(f"s/{sid}/ctl", "tool_load execute_code\ntool_load reasoning_think")
     daemon.prompt(sid, "go")
-    pids_file = w / "pids"
+    pids_file = tool_tmp(daemon, sid) / "pids"
     daemon.wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 3)
     pids = [int(x) for x in pids_file.read_text().split()]
     assert all(os.path.exists(f"/proc/{p}") for p in pids)

@@ -418,7 +418,12 @@ def test_u_complete_runs_through_the_mount(daemon: Daemon) -> None:
     assert "stop" in complete("") and "rn" in complete("")
     assert complete("s/") == ["s/demo/", "s/idx", "s/new"]
     assert complete("s/d") == ["s/demo/"]
-    assert complete(f"s/{sid}/st") == [f"s/{sid}/state", f"s/{sid}/statewait", f"s/{sid}/stream"]
+    assert complete(f"s/{sid}/st") == [
+        f"s/{sid}/staged/",
+        f"s/{sid}/state",
+        f"s/{sid}/statewait",
+        f"s/{sid}/stream",
+    ]
     assert complete("-s", sid, "tool_unload ") == ["client_9p"]
     assert complete("backend op") == ["openai"]
     assert complete("rn x") == []

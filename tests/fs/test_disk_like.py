@@ -47,7 +47,7 @@ def test_dot_entries_sorted_listings_and_nlink(daemon: Daemon) -> None:
     # s/ holds one sub-directory per session; a session dir holds branches/, peer/,
     # compactions/ and t/.
     assert os.stat(daemon.p("s")).st_nlink == 3
-    assert os.stat(daemon.p(f"s/{sid}")).st_nlink == 6
+    assert os.stat(daemon.p(f"s/{sid}")).st_nlink == 8
     assert os.stat(daemon.p(f"s/{sid}/chat")).st_nlink == 1
 
 

@@ -23,6 +23,8 @@ SESSION_FILES = {
     "fifo.in",
     "fifo.out",
     "branches",
+    "checkpoints",
+    "staged",
     "prompt.prev",
     "chat",
     "stream",
@@ -89,6 +91,7 @@ def test_new_session_and_its_files(daemon: Daemon) -> None:
         "frequencyPenalty=",
         "presencePenalty=",
         "thinkingBudget=",
+        "edits=direct",
     ]
     env = daemon.read("s/demo/env").splitlines()
     assert env[0] == "OLLIE_SESSION_ID=demo"

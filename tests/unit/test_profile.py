@@ -99,6 +99,8 @@ def test_every_key_round_trips() -> None:
         "hookFailure": "block",
         "hookTimeout": 2.5,
         "textToolCalls": False,
+        "edits": "review",
+        "checkpointLimit": 1 << 30,
     }
     assert sorted(doc) == sorted(KEYS)
     v = check_complete(json.dumps(doc).encode())

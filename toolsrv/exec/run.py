@@ -17,6 +17,7 @@ import msgspec
 import trio
 
 from toolsrv import namespaces, sandbox
+from toolsrv.checkpoint import Overlay
 from toolsrv.exec import cgroup
 from toolsrv.exec.capture import Watch, exit_fd, prefill
 from toolsrv.exec.cgroup import Cgroup, CgroupBackend
@@ -148,6 +149,7 @@ class Executor:
         tmp_dir: str,
         profile: Profile,
         timeout: float,
+        capture: Overlay | None = None,
     ) -> ExecResult:
         """Run one tool call to its end and return what it did.
 
@@ -196,12 +198,14 @@ class Executor:
                 protect=protect,
                 hide=hidden,
                 netns_fd=None if profile.network else self.netns,
-                rulesets=self.rulesets,
+                rulesets=self.rulesets if capture is None else None,
                 clean=clean,
                 ids=ids,
             )
         except (OSError, ValueError) as err:
             return ExecResult(error=f"sandbox setup failed: {err}")
+        if prepared.mounts is not None:  # checkpoints: only a call in a namespace has one
+            prepared.overlay = capture
         with contextlib.closing(prepared):
             return await self._run(argv, stdin, cwd, env, prepared, profile, timeout)
 
