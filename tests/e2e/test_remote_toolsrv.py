@@ -1,0 +1,143 @@
+"""A session's tools on another host: ``toolsrv=ssh:...`` against a real sshd on loopback,
+with a separate user as the remote side (tests/e2e/sshd.py)."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon, script
+from tests.e2e.sshd import Sshd, running_sshd
+from tests.e2e.test_tools import call, calls, reply
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    with running_sshd(tmp_path_factory.mktemp("sshd")) as s:
+        yield s
+
+
+def remote_dir(sshd: Sshd, name: str) -> Path:
+    """A directory of the remote user's (its files are the remote files)."""
+    work = sshd.home / name
+    work.mkdir()
+    uid = pwd.getpwnam(sshd.user).pw_uid
+    os.chown(work, uid, uid)
+    return work
+
+
+def ssh_pids(sshd: Sshd) -> list[int]:
+    """The ssh processes that use the test's ssh config (the daemon's link to the host)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[0] == b"ssh" and str(sshd.config).encode() in argv:
+            found.append(int(d))
+    return found
+
+
+def test_tools_and_bang_commands_run_on_the_remote_host_as_its_user(
+    sshd: Sshd, daemon_factory: Callable[..., Daemon]
+) -> None:
+    work = remote_dir(sshd, "work1")
+    d = daemon_factory(OLLIE_TOOLSRV=f"ssh:{sshd.host}:{work}", OLLIE_SSH=sshd.ssh)
+    d.replay.add(
+        script(calls(call("execute_code", {"code": "id -un > who; pwd"}, "c1")), reply("ok"))
+    )
+    with d.running():
+        assert "execute_code" in d.read("t/idx")  # what the remote toolsrv serves
+        sid = d.new(name="t")
+        d.write(f"s/{sid}/ctl", "tool_load execute_code")
+        d.prompt(sid, "who")
+        d.wait_idle(sid)
+        assert (work / "who").read_text() == "ollie-remote\n"
+        assert (work / "who").stat().st_uid == pwd.getpwnam(sshd.user).pw_uid
+        assert f"\n{work}\n" in d.read(f"s/{sid}/chat")
+        d.prompt(sid, "!echo hi > bang; id -un")
+        d.wait_idle(sid)
+        assert (work / "bang").read_text() == "hi\n"
+        assert "ollie-remote" in d.read(f"s/{sid}/chat").split("!echo hi", 1)[1]
+        assert len(ssh_pids(sshd)) == 1  # one connection for the tree and the session
+
+
+def test_the_remote_side_is_sandboxed_there(
+    sshd: Sshd, daemon_factory: Callable[..., Daemon]
+) -> None:
+    work = remote_dir(sshd, "work2")
+    outside = remote_dir(sshd, "outside")
+    d = daemon_factory(OLLIE_TOOLSRV=f"ssh:{sshd.host}:{work}", OLLIE_SSH=sshd.ssh)
+    code = f"echo x > {outside}/f; echo rc=$?"
+    d.replay.add(script(calls(call("execute_code", {"code": code}, "c1")), reply("ok")))
+    with d.running():
+        sid = d.new(name="t")
+        d.write(f"s/{sid}/ctl", "tool_load execute_code")
+        d.prompt(sid, "escape")
+        d.wait_idle(sid)
+        assert not (outside / "f").exists()
+        assert "rc=1" in d.read(f"s/{sid}/chat")
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"OLLIE_SSH_TOOLSRV": "no-such-toolsrv"}, "no no-such-toolsrv on the PATH of"),
+        ({"OLLIE_TOOLSRV": "ssh:nohost.invalid"}, "ssh cannot reach nohost.invalid"),
+        ({"OLLIE_SSH": "no-such-ssh"}, "no ssh on this machine (no-such-ssh not found)"),
+    ],
+)
+def test_what_is_missing_is_named(
+    sshd: Sshd, daemon_factory: Callable[..., Daemon], env: dict[str, str], says: str
+) -> None:
+    settings = {"OLLIE_TOOLSRV": f"ssh:{sshd.host}", "OLLIE_SSH": sshd.ssh} | env
+    d = daemon_factory(**settings)
+    d.allowed_errors.append("toolsrv")
+    d.replay.add(script(reply("no tools today")))
+    with d.running():
+        sid = d.new(name="t")
+        d.prompt(sid, "hi")
+        d.wait_idle(sid)
+        chat = d.read(f"s/{sid}/chat")
+        assert says in chat
+        assert chat.endswith("assistant: no tools today\n")
+
+
+def test_a_dropped_connection_cuts_the_call_and_the_next_one_reconnects(
+    sshd: Sshd, daemon_factory: Callable[..., Daemon]
+) -> None:
+    work = remote_dir(sshd, "work3")
+    d = daemon_factory(OLLIE_TOOLSRV=f"ssh:{sshd.host}:{work}", OLLIE_SSH=sshd.ssh)
+    d.allowed_errors.append("toolsrv")
+    d.replay.add(
+        script(
+            calls(call("execute_code", {"code": "touch started; sleep 1000"}, "c1")),
+            reply("went on"),
+            calls(call("execute_code", {"code": "echo again"}, "c2")),
+            reply("two"),
+        )
+    )
+    with d.running():
+        sid = d.new(name="t")
+        d.write(f"s/{sid}/ctl", "tool_load execute_code")
+        d.prompt(sid, "go")
+        d.wait_for(lambda: (work / "started").exists())
+        (pid,) = ssh_pids(sshd)
+        os.kill(pid, signal.SIGKILL)
+        d.wait_idle(sid)
+        chat = d.read(f"s/{sid}/chat")
+        assert "[tool error] toolsrv died; the call was cut\n" in chat
+        assert chat.endswith("assistant: went on\n")
+        d.prompt(sid, "again")
+        d.wait_idle(sid)
+        assert d.read(f"s/{sid}/chat").endswith("again\nassistant: two\n")
+        assert ssh_pids(sshd) != [pid]
