@@ -21,6 +21,7 @@ maxSteps           tool rounds per turn before the final summary turn
 compactionModel    model (same backend) that writes compaction summaries
 maxTokens ...      generation parameters: maxTokens temperature frequencyPenalty
                    presencePenalty thinkingBudget
+toolsrv            where the tools run: ``local`` or ``ssh:[user@]host[:dir]``
 hooks              event -> command or list of commands (see `hooks`)
 hookFailure        "warn" (default) or "block": a crashing or hanging hook blocks
 hookTimeout        seconds per hook command (default 60)
@@ -58,6 +59,7 @@ from olliefs.agent.config import MaxTokens, Penalty, Temperature
 from olliefs.agent.hooks import EVENTS, HOOK_TIMEOUT, HookFailure
 from olliefs.agent.jsonscan import JsonScanner
 from olliefs.errors import InvalidRequest
+from olliefs.toolclient.remote import parse_toolsrv
 
 MAX_PROFILE_BYTES = 1024 * 1024
 DEFAULT_TOOLS: Final[tuple[str, ...]] = ("client_9p",)
@@ -102,6 +104,7 @@ class Profile(
     hook_failure: HookFailure = "warn"
     hook_timeout: HookTimeout = HOOK_TIMEOUT
     text_tool_calls: bool | None = None
+    toolsrv: str | None = None
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into a ValidationError, so these checks report
@@ -128,6 +131,8 @@ class Profile(
             for n in names:
                 if not self.permits(n):
                     raise ValueError(f"{key}: {n} is not permitted by allowTools")
+        if self.toolsrv is not None:
+            parse_toolsrv(self.toolsrv)  # its ValueError names what is wrong
         for event, cmds in self.hooks.items():
             if event not in EVENTS:
                 raise ValueError(f"hooks: unknown event {event!r} (events: {' '.join(EVENTS)})")

@@ -21,12 +21,14 @@ root); without it, the session's own cwd is used as the same path there.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shlex
 import subprocess
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT = 60.0  # ssh's own ConnectTimeout applies within it; this bounds a hung login
 _STDERR_KEPT = 4096
+STATUS_FILE = "remotes"  # in the run dir: one line per remote toolsrv (``ollie status``)
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,44 @@ def parse_toolsrv(value: str) -> SshTarget | None:
     return SshTarget(dest, path.rstrip("/") or ("/" if path else ""))
 
 
+def ssh_argv(dest: str, settings: Mapping[str, str], *args: str) -> list[str]:
+    """``ssh ... DEST -- <remote toolsrv> ARGS``: the command line of every use of a host
+    (``OLLIE_SSH`` is split as a shell would; ``OLLIE_SSH_TOOLSRV`` names the remote
+    command)."""
+    ssh = shlex.split(settings.get("OLLIE_SSH") or "ssh")
+    remote = settings.get("OLLIE_SSH_TOOLSRV") or "toolsrv"
+    # BatchMode: a daemon has nobody to type a password or accept a host key for.
+    return [*ssh, "-T", "-o", "BatchMode=yes", dest, "--", " ".join([remote, *args])]
+
+
+def why_failed(
+    dest: str, settings: Mapping[str, str], code: int | None, err: bytes, line: bytes
+) -> str:
+    """What is missing, from how ``ssh DEST toolsrv ...`` ended: ssh's exit 255 is ssh's
+    own failure (host, network, key), 127 the remote shell's "not found"."""
+    text = err.decode(errors="replace").strip()
+    last = text.splitlines()[-1] if text else ""
+    remote = settings.get("OLLIE_SSH_TOOLSRV") or "toolsrv"
+    if code == 255:
+        return f"ssh cannot reach {dest}: {last or 'ssh exited with 255'}"
+    if code == 127 or "command not found" in text or "No such file" in last:
+        return f"no {remote} on the PATH of {dest} (install olliefs there): {last}"
+    if line:
+        return f"{remote} on {dest} said {line[:200]!r} instead of ready"
+    return f"{remote} on {dest} did not start (exit {code}): {last}"
+
+
 class SshToolsrv:
     """The daemon's connection to the toolsrv of one ssh destination."""
 
     def __init__(
-        self, target: SshTarget, settings: Mapping[str, str], nursery: trio.Nursery
+        self,
+        target: SshTarget,
+        settings: Mapping[str, str],
+        nursery: trio.Nursery,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
+        self.on_change = on_change
         self.target = target
         self.dest = target.dest
         self.settings = settings
@@ -96,10 +131,7 @@ class SshToolsrv:
         return self._client is not None and self._client.lost is None
 
     def argv(self) -> list[str]:
-        ssh = shlex.split(self.settings.get("OLLIE_SSH") or "ssh")
-        remote = self.settings.get("OLLIE_SSH_TOOLSRV") or "toolsrv"
-        # BatchMode: a daemon has nobody to type a password or accept a host key for.
-        return [*ssh, "-T", "-o", "BatchMode=yes", self.dest, "--", f"{remote} --stdio"]
+        return ssh_argv(self.dest, self.settings, "--stdio")
 
     async def _ensure(self) -> tuple[Client, bytes]:
         async with self._lock:
@@ -149,6 +181,7 @@ class SshToolsrv:
                 await proc.wait()
             self.last_error = self._why(proc.returncode, bytes(err), line)
             log.warning("toolsrv %s: %s", self.target, self.last_error)
+            self.on_change()
             raise ToolsrvError(f"toolsrv {self.target}: {self.last_error}")
         stream = trio.StapledStream(proc.stdin, proc.stdout)
         self._proc, self._key, self._stop = proc, key, stop
@@ -156,18 +189,10 @@ class SshToolsrv:
         self.connects += 1
         self.last_error = ""
         log.info("toolsrv %s: connected (ssh pid %d)", self.target, proc.pid)
+        self.on_change()
 
     def _why(self, code: int | None, err: bytes, line: bytes) -> str:
-        text = err.decode(errors="replace").strip()
-        last = text.splitlines()[-1] if text else ""
-        remote = self.settings.get("OLLIE_SSH_TOOLSRV") or "toolsrv"
-        if code == 255:
-            return f"ssh cannot reach {self.dest}: {last or 'ssh exited with 255'}"
-        if code == 127 or "command not found" in text or "No such file" in last:
-            return f"no {remote} on the PATH of {self.dest} (install olliefs there): {last}"
-        if line:
-            return f"{remote} on {self.dest} said {line[:200]!r} instead of ready"
-        return f"{remote} on {self.dest} did not start (exit {code}): {last}"
+        return why_failed(self.dest, self.settings, code, err, line)
 
     async def _stderr(self, pipe: trio.abc.ReceiveStream, kept: bytearray) -> None:
         """ssh's and the remote toolsrv's stderr: logged line by line, the end kept for
@@ -208,6 +233,7 @@ class SshToolsrv:
                     proc.kill()
                 await proc.wait()
             if proc is self._proc:
+                self.on_change()
                 log.warning(
                     "toolsrv %s: ssh ended (%s); reconnects on next use",
                     self.target,
@@ -233,8 +259,10 @@ class SshToolsrv:
         """One line for ``ollie status``."""
         proc = self._proc
         if self.alive and proc is not None:
-            return f"{self.target}\tconnected\tssh pid {proc.pid}"
-        return f"{self.target}\t{'down: ' + self.last_error if self.last_error else 'idle'}"
+            return f"{self.target} connected (ssh pid {proc.pid}, peer {self.dest})"
+        if self.last_error:
+            return f"{self.target} down: {self.last_error}"
+        return f"{self.target} disconnected (reconnects on next use)"
 
     async def aclose(self) -> None:
         if self._stop is not None:
@@ -250,22 +278,47 @@ class SshToolsrv:
 class RemoteToolsrvs:
     """One ``SshToolsrv`` per destination, made on first use, closed with the daemon."""
 
-    def __init__(self, settings: Mapping[str, str], nursery: trio.Nursery) -> None:
+    def __init__(
+        self, settings: Mapping[str, str], nursery: trio.Nursery, status_file: Path | None
+    ) -> None:
         self.settings = settings
         self._nursery = nursery
+        self.status_file = status_file
         self.hosts: dict[str, SshToolsrv] = {}
 
     def get(self, target: SshTarget) -> SshToolsrv:
         got = self.hosts.get(target.dest)
         if got is None:
             got = self.hosts[target.dest] = SshToolsrv(
-                SshTarget(target.dest), self.settings, self._nursery
+                SshTarget(target.dest), self.settings, self._nursery, self._changed
             )
         return got
 
     def status_lines(self) -> list[str]:
         return [srv.describe() for srv in self.hosts.values()]
 
+    def _changed(self) -> None:
+        """``ollie status`` reads the connections from a file in the run dir (replaced
+        whole, so a reader never sees half of it)."""
+        if self.status_file is None:
+            return
+        tmp = self.status_file.with_suffix(".tmp")
+        try:
+            tmp.write_text("".join(f"{line}\n" for line in self.status_lines()))
+            os.replace(tmp, self.status_file)
+        except OSError as err:
+            log.info("%s not written: %s", self.status_file, err.strerror)
+
     async def aclose(self) -> None:
         for srv in self.hosts.values():
             await srv.aclose()
+        if self.status_file is not None:
+            self.status_file.unlink(missing_ok=True)
+
+
+def status_in(run: Path) -> list[str]:
+    """The remote toolsrv connections a daemon with this run dir keeps, one line each."""
+    try:
+        return (run / STATUS_FILE).read_text().splitlines()
+    except OSError:
+        return []

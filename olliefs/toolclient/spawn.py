@@ -26,7 +26,7 @@ import trio
 
 from olliefs.settings import Paths, private_file, shipped_dir
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
-from olliefs.toolclient.remote import RemoteToolsrvs, SshTarget, parse_toolsrv
+from olliefs.toolclient.remote import STATUS_FILE, RemoteToolsrvs, SshTarget, parse_toolsrv
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Toolsrv:
         self._key: bytes | None = None
         self._socket = ""
         self.spawns = 0
-        self.remotes = RemoteToolsrvs(settings, nursery)
+        self.remotes = RemoteToolsrvs(settings, nursery, paths.run / STATUS_FILE)
         remote = settings.get("OLLIE_TOOLSRV", "")
         self.ssh: SshTarget | None = None
         if remote.startswith("ssh:") or remote == "local":
@@ -165,12 +165,13 @@ class Toolsrv:
             log.warning("toolsrv (pid %d) exited with %s; respawned on next use", proc.pid, code)
 
     @asynccontextmanager
-    async def connect(
-        self, agent_id: str, target: SshTarget | None = None
-    ) -> AsyncIterator[ToolsrvConn]:
-        """An attach for ``agent_id`` on the toolsrv ``target`` names (the daemon's
-        default, ``OLLIE_TOOLSRV``, when None; local when that is unset)."""
-        target = target or self.ssh
+    async def connect(self, agent_id: str, where: str = "") -> AsyncIterator[ToolsrvConn]:
+        """An attach for ``agent_id`` on the toolsrv ``where`` names: ``local``,
+        ``ssh:[user@]host[:dir]``, or "" for the daemon's default (``OLLIE_TOOLSRV``)."""
+        try:
+            target = parse_toolsrv(where) if where else self.ssh
+        except ValueError as err:
+            raise ToolsrvError(str(err)) from None
         if target is not None:
             async with self.remotes.get(target).connect(agent_id) as conn:
                 conn.remote_cwd = target.dir

@@ -3,15 +3,20 @@ with a separate user as the remote side (tests/e2e/sshd.py)."""
 
 from __future__ import annotations
 
+import errno
+import importlib.metadata
+import json
 import os
 import pwd
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, script
+from tests.conftest import Daemon, oserror, script
 from tests.e2e.sshd import Sshd, running_sshd
 from tests.e2e.test_tools import call, calls, reply
 
@@ -141,3 +146,86 @@ def test_a_dropped_connection_cuts_the_call_and_the_next_one_reconnects(
         d.wait_idle(sid)
         assert d.read(f"s/{sid}/chat").endswith("again\nassistant: two\n")
         assert ssh_pids(sshd) != [pid]
+
+
+def test_cfg_toolsrv_moves_one_session_and_its_bang_commands(
+    sshd: Sshd, daemon_factory: Callable[..., Daemon]
+) -> None:
+    work = remote_dir(sshd, "work4")
+    d = daemon_factory(OLLIE_SSH=sshd.ssh)  # the daemon's default stays local
+    d.replay.add(
+        script(
+            calls(call("execute_code", {"code": "id -un"}, "c1")),
+            reply("here"),
+            calls(call("execute_code", {"code": "id -un > who"}, "c2")),
+            reply("there"),
+        )
+    )
+    with d.running():
+        sid = d.new(name="t")
+        d.write(f"s/{sid}/ctl", "tool_load execute_code")
+        d.prompt(sid, "where")
+        d.wait_idle(sid)
+        assert "\nroot\n" in d.read(f"s/{sid}/chat")
+        for bad in ("ssh:", "ssh:host:relative", "nfs:x", "ssh:-oProxyCommand=x"):
+            assert oserror(d.write, f"s/{sid}/cfg", f"toolsrv={bad}\n") == errno.EINVAL
+        d.write(f"s/{sid}/cfg", f"toolsrv=ssh:{sshd.host}:{work}\n")
+        assert f"toolsrv=ssh:{sshd.host}:{work}\n" in d.read(f"s/{sid}/cfg")
+        d.prompt(sid, "and now")
+        d.wait_idle(sid)
+        assert (work / "who").read_text() == "ollie-remote\n"
+        d.prompt(sid, "!id -un > bang")
+        d.wait_idle(sid)
+        assert (work / "bang").read_text() == "ollie-remote\n"
+        d.write(f"s/{sid}/cfg", "toolsrv=local\n")
+        d.prompt(sid, "!id -un")
+        d.wait_idle(sid)
+        assert d.read(f"s/{sid}/chat").endswith("root\n")
+    d.start()  # the journal keeps where the session's tools run
+    assert "toolsrv=local\n" in d.read(f"s/{sid}/cfg")
+    d.stop()
+
+
+def test_a_profile_names_the_toolsrv_of_its_sessions(
+    sshd: Sshd, daemon_factory: Callable[..., Daemon]
+) -> None:
+    work = remote_dir(sshd, "work5")
+    d = daemon_factory(OLLIE_SSH=sshd.ssh)
+    with d.running():
+        bad = json.dumps({"toolsrv": "ssh:h:rel"})
+        assert oserror(d.p("a/far.json").write_text, bad) == errno.EINVAL
+        d.p("a/far.json").write_text(json.dumps({"toolsrv": f"ssh:{sshd.host}:{work}"}))
+        sid = d.new(name="t", agent="far")
+        assert f"toolsrv=ssh:{sshd.host}:{work}\n" in d.read(f"s/{sid}/cfg")
+        d.prompt(sid, "!id -un > who")
+        d.wait_idle(sid)
+        assert (work / "who").read_text() == "ollie-remote\n"
+
+
+def ollie(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "olliefs", *args],
+        env=d.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_status_lists_the_connection_and_doctor_asks_the_remote_version(
+    sshd: Sshd, daemon_factory: Callable[..., Daemon]
+) -> None:
+    work = remote_dir(sshd, "work6")
+    d = daemon_factory(OLLIE_TOOLSRV=f"ssh:{sshd.host}:{work}", OLLIE_SSH=sshd.ssh)
+    with d.running():
+        d.read("t/idx")  # the tree's attach opens the connection
+        (pid,) = ssh_pids(sshd)
+        status = ollie(d, "status").stdout
+        assert f"remote toolsrv ssh:{sshd.host} connected (ssh pid {pid}" in status
+        doc = ollie(d, "doctor").stdout
+        version = importlib.metadata.version("olliefs")
+        assert f"ok   remote toolsrv: ssh:{sshd.host}:{work}: toolsrv {version} (same" in doc
+    d.env["OLLIE_SSH_TOOLSRV"] = "no-such-toolsrv"
+    doc = ollie(d, "doctor").stdout
+    assert f"FAIL remote toolsrv: no no-such-toolsrv on the PATH of {sshd.host}" in doc

@@ -99,6 +99,7 @@ def test_every_key_round_trips() -> None:
         "hookFailure": "block",
         "hookTimeout": 2.5,
         "textToolCalls": False,
+        "toolsrv": "ssh:me@build:/src",
     }
     assert sorted(doc) == sorted(KEYS)
     v = check_complete(json.dumps(doc).encode())
