@@ -280,7 +280,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             try:
                 remote.parse_toolsrv(args.toolsrv)
             except ValueError as err:
-                raise CliError(f"--toolsrv: {err}") from None
+                raise CliError(f"--toolsrv: unix:PATH, local or ssh:...: {err}") from None
             os.environ["OLLIE_TOOLSRV"] = args.toolsrv  # ssh is the authentication
         elif not args.toolsrv_key_file:
             raise CliError("--toolsrv needs --toolsrv-key-file (the key toolsrv was started with)")

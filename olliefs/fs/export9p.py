@@ -37,10 +37,17 @@ protocol an ``afid`` could carry, while every client can set ``aname`` (plan9por
 one is answered "authentication failed" and the attach creates nothing. 9P is not
 encrypted: off loopback the key and the traffic are readable on the wire, so remote use
 belongs on a network that is private already (a VPN, an ssh tunnel).
+
+Read-only exports (``ADDR,ro``): the listener of that address serves an ``Export`` copy
+with ``readonly`` set (the tree, counters and bounds shared with the others), and every
+change is refused before it reaches a node: an open for writing or with OTRUNC, create,
+remove and a Twstat that changes anything. The Rerror text is the one Linux v9fs maps
+to EROFS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import hmac
@@ -80,6 +87,8 @@ R = TypeVar("R")
 
 EAUTH = "authentication failed"
 EDENIED = "permission denied"
+# Linux v9fs maps this very text to EROFS (its 9P2000 error table); others show it.
+EROFS = "Read-only file system"
 U32 = 0xFFFFFFFF
 U64 = 0xFFFFFFFFFFFFFFFF
 
@@ -95,19 +104,32 @@ class Address:
     path: str = ""
     host: str = ""
     port: int = 0
+    ro: bool = False  # ``,ro``: every change refused (EROFS)
 
     def __str__(self) -> str:
+        opts = ",ro" if self.ro else ""
         if self.kind == "unix":
-            return f"unix:{self.path}"
+            return f"unix:{self.path}{opts}"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp:{host}:{self.port}"
+        return f"tcp:{host}:{self.port}{opts}"
 
 
 class AddressError(ValueError):
     """A ``--9p`` address that cannot be served as asked (the message says why)."""
 
 
+OPTIONS = ("ro",)
+
+
 def parse_address(text: str) -> Address:
+    """``unix:PATH`` or ``tcp:HOST:PORT``, then options after commas (``,ro``)."""
+    base, *opts = text.split(",")
+    if opts and all(o in OPTIONS for o in opts):
+        return dataclasses.replace(_parse_base(base), ro="ro" in opts)
+    return _parse_base(text)
+
+
+def _parse_base(text: str) -> Address:
     kind, sep, rest = text.partition(":")
     if kind == "unix" and sep and rest:
         return Address("unix", path=os.path.abspath(os.path.expanduser(rest)))
@@ -118,7 +140,7 @@ def parse_address(text: str) -> Address:
         if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
             raise AddressError(f"bad 9P address {text!r}: tcp:HOST:PORT (e.g. tcp:127.0.0.1:5640)")
         return Address("tcp", host=host, port=int(port_s))
-    raise AddressError(f"bad 9P address {text!r}: unix:PATH or tcp:HOST:PORT")
+    raise AddressError(f"bad 9P address {text!r}: unix:PATH or tcp:HOST:PORT[,ro]")
 
 
 def is_loopback(host: str) -> bool:
@@ -212,6 +234,7 @@ class Export:
     key: str | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     user: str = field(default_factory=_user)
+    readonly: bool = False  # this address's clients may read and follow, never change
     # Called with (directory, name) after a name there went away or changed over 9P:
     # the FUSE frontend drops the kernel's cached lookup of it (``daemon.py``).
     forget: Callable[[Node, str], None] = lambda d, name: None
@@ -272,10 +295,16 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
 
     # ---- open, read, write, clunk ------------------------------------------------
 
+    def _writable(self) -> None:
+        if self.export.readonly:
+            raise NinePError(EROFS)
+
     async def open(self, node: Ref, mode: int) -> Opened:
         n = node.node
         if not n.valid():
             raise NinePError(ENOTFOUND)
+        if mode & 3 in (OWRITE, ORDWR) or mode & OTRUNC:
+            self._writable()
         if isinstance(n, Dir):
             await _translated(n.prepare())
             return None
@@ -331,6 +360,7 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
     # ---- namespace changes -------------------------------------------------------
 
     async def create(self, node: Ref, name: str, perm: int, mode: int) -> tuple[Ref, Opened]:
+        self._writable()
         d = node.node
         if not isinstance(d, Dir) or not d.valid():
             raise NinePError(ENOTFOUND)
@@ -343,6 +373,7 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
         return Ref(made, name, node), handle
 
     async def remove(self, node: Ref) -> None:
+        self._writable()
         parent = node.parent
         if parent is None or not isinstance(parent.node, Dir):
             raise NinePError(EDENIED)
@@ -360,6 +391,8 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
         n = node.node
         if not n.valid():
             raise NinePError(ENOTFOUND)
+        if not _changes_nothing(stat):  # a Twstat touching nothing is fsync: allowed
+            self._writable()
         user = self.export.user
         for owner in (stat.uid, stat.gid, stat.muid):
             if owner and owner != user:
@@ -388,6 +421,14 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
         mtime = None if stat.mtime == U32 else stat.mtime * 1_000_000_000
         if atime is not None or mtime is not None:
             await _translated(n.set_times(atime, mtime))
+
+
+def _changes_nothing(stat: Stat) -> bool:
+    return (
+        not (stat.name or stat.uid or stat.gid or stat.muid)
+        and stat.length == U64
+        and U32 == stat.mode == stat.atime == stat.mtime
+    )
 
 
 def _by_name(entry: tuple[str, Node]) -> str:
@@ -488,14 +529,16 @@ async def serve(
     the addresses actually bound (a TCP port 0 becomes the port the kernel chose) once
     clients can connect. Unix socket files are removed when serving stops."""
     cleanups: list[Callable[[], None]] = []
-    listeners: list[tuple[trio.SocketListener, bool]] = []
+    listeners: list[tuple[trio.SocketListener, bool, Export]] = []
     bound: list[str] = []
     try:
         for a in addresses:
+            # A read-only address shares the tree, counters and bounds of the others.
+            served = dataclasses.replace(export, readonly=True) if a.ro else export
             if a.kind == "unix":
                 listener, remove = await _unix_listener(a.path)
                 cleanups.append(remove)
-                listeners.append((listener, True))
+                listeners.append((listener, True, served))
                 bound.append(str(a))
                 continue
             try:
@@ -506,16 +549,16 @@ async def serve(
                 log.warning("9P export on %s has no key: every local user can use it", a)
             for t in tcp:
                 sockname = t.socket.getsockname()
-                listeners.append((t, False))
-                bound.append(str(Address("tcp", host=sockname[0], port=sockname[1])))
+                listeners.append((t, False, served))
+                bound.append(str(Address("tcp", host=sockname[0], port=sockname[1], ro=a.ro)))
         async with trio.open_nursery() as nursery:
-            for listener, unix in listeners:
-                nursery.start_soon(_accept_loop, export, listener, unix, nursery)
+            for listener, unix, served in listeners:
+                nursery.start_soon(_accept_loop, served, listener, unix, nursery)
             for b in bound:
                 log.info("9P export listening on %s", b)
             task_status.started(bound)
     finally:
-        for listener, _ in listeners:
+        for listener, _, _ in listeners:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
         for cleanup in cleanups:
