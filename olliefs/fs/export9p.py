@@ -56,10 +56,12 @@ import logging
 import os
 import pwd
 import socket
+import ssl
 import stat as _stat
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import trio
@@ -79,6 +81,7 @@ from ninep.codec import (
 )
 from ninep.server import BaseFileSystem, ServerStats, clear_stale_socket, serve_connection
 from olliefs import errors
+from olliefs.fs import tls9p
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
@@ -105,9 +108,10 @@ class Address:
     host: str = ""
     port: int = 0
     ro: bool = False  # ``,ro``: every change refused (EROFS)
+    tls: bool = False  # ``,tls``: TLS with the daemon's pinned certificate (tls9p)
 
     def __str__(self) -> str:
-        opts = ",ro" if self.ro else ""
+        opts = (",ro" if self.ro else "") + (",tls" if self.tls else "")
         if self.kind == "unix":
             return f"unix:{self.path}{opts}"
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -118,14 +122,17 @@ class AddressError(ValueError):
     """A ``--9p`` address that cannot be served as asked (the message says why)."""
 
 
-OPTIONS = ("ro",)
+OPTIONS = ("ro", "tls")
 
 
 def parse_address(text: str) -> Address:
     """``unix:PATH`` or ``tcp:HOST:PORT``, then options after commas (``,ro``)."""
     base, *opts = text.split(",")
     if opts and all(o in OPTIONS for o in opts):
-        return dataclasses.replace(_parse_base(base), ro="ro" in opts)
+        a = dataclasses.replace(_parse_base(base), ro="ro" in opts, tls="tls" in opts)
+        if a.tls and a.kind != "tcp":
+            raise AddressError(f"bad 9P address {text!r}: tls goes with tcp:HOST:PORT")
+        return a
     return _parse_base(text)
 
 
@@ -140,7 +147,7 @@ def _parse_base(text: str) -> Address:
         if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
             raise AddressError(f"bad 9P address {text!r}: tcp:HOST:PORT (e.g. tcp:127.0.0.1:5640)")
         return Address("tcp", host=host, port=int(port_s))
-    raise AddressError(f"bad 9P address {text!r}: unix:PATH or tcp:HOST:PORT[,ro]")
+    raise AddressError(f"bad 9P address {text!r}: unix:PATH or tcp:HOST:PORT[,ro][,tls]")
 
 
 def is_loopback(host: str) -> bool:
@@ -235,6 +242,7 @@ class Export:
     stats: ServerStats = field(default_factory=ServerStats)
     user: str = field(default_factory=_user)
     readonly: bool = False  # this address's clients may read and follow, never change
+    tls: ssl.SSLContext | None = None  # this address's clients speak TLS first
     # Called with (directory, name) after a name there went away or changed over 9P:
     # the FUSE frontend drops the kernel's cached lookup of it (``daemon.py``).
     forget: Callable[[Node, str], None] = lambda d, name: None
@@ -457,8 +465,15 @@ async def _serve_client(export: Export, stream: trio.SocketStream, unix: bool) -
     # user: UNVERIFIED makes the writes a tool may not make (a/ profiles) refused.
     pid = _peer_pid(stream) if unix else (0 if export.key is not None else UNVERIFIED)
     stats = export.stats
+    served: trio.abc.Stream = stream
+    if export.tls is not None:
+        try:
+            served = await tls9p.serve_side(stream, export.tls)
+        except tls9p.TlsError as err:
+            log.info("9P client refused: %s", err)
+            return
     try:
-        await serve_connection(stream, TreeFS(export, pid), stats=stats)
+        await serve_connection(served, TreeFS(export, pid), stats=stats)
     except Exception:
         log.exception("9P connection failed")
     # What the server still holds after a client leaves: operators (and the tests) can
@@ -523,6 +538,7 @@ async def serve(
     export: Export,
     addresses: Sequence[Address],
     *,
+    tls_config: Path | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on every address and serve until cancelled; ``task_status.started`` gets
@@ -535,6 +551,19 @@ async def serve(
         for a in addresses:
             # A read-only address shares the tree, counters and bounds of the others.
             served = dataclasses.replace(export, readonly=True) if a.ro else export
+            if a.tls:
+                if tls_config is None:
+                    raise AddressError(f"9P address {a}: no config dir for its certificate")
+                try:
+                    ctx = tls9p.server_context(tls_config)
+                except (tls9p.TlsError, OSError, ssl.SSLError) as err:
+                    raise AddressError(f"9P address {a}: {err}") from None
+                served = dataclasses.replace(served, tls=ctx)
+                log.info(
+                    "9P export %s: TLS certificate %s",
+                    a,
+                    tls9p.fingerprint_of(tls9p.cert_dir(tls_config) / "cert.pem"),
+                )
             if a.kind == "unix":
                 listener, remove = await _unix_listener(a.path)
                 cleanups.append(remove)
@@ -550,7 +579,8 @@ async def serve(
             for t in tcp:
                 sockname = t.socket.getsockname()
                 listeners.append((t, False, served))
-                bound.append(str(Address("tcp", host=sockname[0], port=sockname[1], ro=a.ro)))
+                real = dataclasses.replace(a, host=sockname[0], port=sockname[1])
+                bound.append(str(real))
         async with trio.open_nursery() as nursery:
             for listener, unix, served in listeners:
                 nursery.start_soon(_accept_loop, served, listener, unix, nursery)
