@@ -425,6 +425,13 @@ def _dead(mnt: str) -> int:
     return DEAD
 
 
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.mountpoint is not None:
         mnt = mounts.canonical(args.mountpoint)
@@ -440,6 +447,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 )
                 for addr in d.exports:
                     print(f"9P export on {addr}")
+                for line in _lines(d.run / "9p-peers"):
+                    print(f"9P client {line}")
                 for line in remote.status_in(d.run):
                     print(f"remote toolsrv {line}")
             return LIVE
@@ -458,6 +467,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"mounted at {mnt} (daemon pid {pid}), {sessions} sessions, state in {p.state}")
         for addr in mounts.exports_in(p.pid_file):
             print(f"9P export on {addr}")
+        for line in _lines(p.run / "9p-peers"):
+            print(f"9P client {line}")
         for line in remote.status_in(p.run):
             print(f"remote toolsrv {line}")
         return LIVE

@@ -224,7 +224,13 @@ async def _serve(
 
             # The same root node serves both frontends. Listening before the mount
             # appears: once ``ollie mount`` says ready, 9P clients can connect too.
-            export = export9p.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)
+            export = export9p.Export(
+                ops.root,
+                Waiters(max_waiters),
+                exports.key,
+                forget=forget,
+                peers_file=paths.run / "9p-peers",
+            )
             try:
                 bound = await nursery.start(
                     functools.partial(export9p.serve, tls_config=paths.config),

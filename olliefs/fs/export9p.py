@@ -243,6 +243,22 @@ class Export:
     user: str = field(default_factory=_user)
     readonly: bool = False  # this address's clients may read and follow, never change
     tls: ssl.SSLContext | None = None  # this address's clients speak TLS first
+    address: str = ""  # the address this copy serves (shown with its peers)
+    # Who is connected, to what: shared by the copies of every address, and written to
+    # ``peers_file`` (run dir) for ``ollie status`` at each change, replaced whole.
+    peers: dict[int, str] = field(default_factory=dict)
+    peers_file: Path | None = None
+
+    def peer_changed(self) -> None:
+        if self.peers_file is None:
+            return
+        tmp = self.peers_file.with_suffix(".tmp")
+        try:
+            tmp.write_text("".join(f"{p}\n" for p in self.peers.values()))
+            os.replace(tmp, self.peers_file)
+        except OSError as err:
+            log.info("%s not written: %s", self.peers_file, err.strerror)
+
     # Called with (directory, name) after a name there went away or changed over 9P:
     # the FUSE frontend drops the kernel's cached lookup of it (``daemon.py``).
     forget: Callable[[Node, str], None] = lambda d, name: None
@@ -464,6 +480,27 @@ async def _serve_client(export: Export, stream: trio.SocketStream, unix: bool) -
     # Over TCP without a key nobody can tell a tool (a profile with network) from its
     # user: UNVERIFIED makes the writes a tool may not make (a/ profiles) refused.
     pid = _peer_pid(stream) if unix else (0 if export.key is not None else UNVERIFIED)
+    key = id(stream)
+    export.peers[key] = f"{_peer_name(stream, pid, unix)} on {export.address}"
+    export.peer_changed()
+    try:
+        await _serve_peer(export, stream, pid, unix)
+    finally:
+        del export.peers[key]
+        export.peer_changed()
+
+
+def _peer_name(stream: trio.SocketStream, pid: int, unix: bool) -> str:
+    if unix:
+        return f"pid {pid}"
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _serve_peer(export: Export, stream: trio.SocketStream, pid: int, unix: bool) -> None:
     stats = export.stats
     served: trio.abc.Stream = stream
     if export.tls is not None:
@@ -545,12 +582,13 @@ async def serve(
     the addresses actually bound (a TCP port 0 becomes the port the kernel chose) once
     clients can connect. Unix socket files are removed when serving stops."""
     cleanups: list[Callable[[], None]] = []
+    export.peer_changed()  # none yet (a file left by a daemon before is replaced)
     listeners: list[tuple[trio.SocketListener, bool, Export]] = []
     bound: list[str] = []
     try:
         for a in addresses:
             # A read-only address shares the tree, counters and bounds of the others.
-            served = dataclasses.replace(export, readonly=True) if a.ro else export
+            served = dataclasses.replace(export, readonly=a.ro, address=str(a))
             if a.tls:
                 if tls_config is None:
                     raise AddressError(f"9P address {a}: no config dir for its certificate")
@@ -578,9 +616,9 @@ async def serve(
                 log.warning("9P export on %s has no key: every local user can use it", a)
             for t in tcp:
                 sockname = t.socket.getsockname()
-                listeners.append((t, False, served))
-                real = dataclasses.replace(a, host=sockname[0], port=sockname[1])
-                bound.append(str(real))
+                real = str(dataclasses.replace(a, host=sockname[0], port=sockname[1]))
+                listeners.append((t, False, dataclasses.replace(served, address=real)))
+                bound.append(real)
         async with trio.open_nursery() as nursery:
             for listener, unix, served in listeners:
                 nursery.start_soon(_accept_loop, served, listener, unix, nursery)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -208,4 +209,36 @@ def test_plan9port_9pfuse_mounts_the_export(
         assert (mnt / "backends").read_text() == d.read("backends")
     finally:
         subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+    d.stop()
+
+
+async def test_ollie_status_lists_the_clients_of_each_export(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = exported(daemon_factory, "--9p", "tcp:127.0.0.1:0,ro")
+    port = int(d.stderr().split("9P export listening on tcp:127.0.0.1:")[1].split(",")[0])
+
+    def status() -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "olliefs", "status"],
+            env=d.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        ).stdout
+
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    mine = stream.socket.getsockname()[1]
+    with trio.fail_after(30):
+        async with Client.connect(stream) as c:
+            await c.attach("me")
+            got = await trio.to_thread.run_sync(status)
+            assert f"9P export on tcp:127.0.0.1:{port},ro\n" in got
+            assert f"9P client 127.0.0.1:{mine} on tcp:127.0.0.1:{port},ro\n" in got
+    peers = d.home / "run" / "9p-peers"
+    await trio.to_thread.run_sync(
+        lambda: wait_until(lambda: peers.read_text() == "", "client gone", files=[peers])
+    )
+    assert "9P client" not in await trio.to_thread.run_sync(status)
     d.stop()
