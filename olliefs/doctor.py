@@ -420,8 +420,11 @@ def check_remote_toolsrv(settings: Mapping[str, str], timeout: float = 30.0) -> 
     """With ``OLLIE_TOOLSRV=ssh:...``: is the host reachable, and which toolsrv answers
     there (``toolsrv --version`` over the same ssh command line the daemon uses)."""
     name = "remote toolsrv"
+    value = settings.get("OLLIE_TOOLSRV", "")
+    if value.startswith("unix:"):
+        return None  # a local socket: the daemon checks its key when it attaches
     try:
-        target = remote.parse_toolsrv(settings.get("OLLIE_TOOLSRV", ""))
+        target = remote.parse_toolsrv(value)
     except ValueError as err:
         return fail(name, str(err), "set OLLIE_TOOLSRV=local or ssh:[user@]host[:dir]")
     if target is None:
