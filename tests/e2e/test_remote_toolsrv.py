@@ -56,12 +56,24 @@ def test_tools_and_bang_commands_run_on_the_remote_host_as_its_user(
     sshd: Sshd, daemon_factory: Callable[..., Daemon]
 ) -> None:
     work = remote_dir(sshd, "work1")
+    # A tool only the remote user has (in its own ollie config dir there).
+    tools = sshd.home / ".config" / "ollie" / "tools"
+    tools.mkdir(parents=True, exist_ok=True)
+    (tools / "only_there").write_text(
+        "#!/bin/sh\n# ollie-tool\n# description: a tool of the remote host\n"
+        '# args: {"type": "object"}\necho there\n'
+    )
+    (tools / "only_there").chmod(0o755)
+    uid = pwd.getpwnam(sshd.user).pw_uid
+    for p in (sshd.home / ".config", sshd.home / ".config" / "ollie", tools):
+        os.chown(p, uid, uid)
     d = daemon_factory(OLLIE_TOOLSRV=f"ssh:{sshd.host}:{work}", OLLIE_SSH=sshd.ssh)
     d.replay.add(
         script(calls(call("execute_code", {"code": "id -un > who; pwd"}, "c1")), reply("ok"))
     )
     with d.running():
-        assert "execute_code" in d.read("t/idx")  # what the remote toolsrv serves
+        idx = d.read("t/idx")  # what the remote toolsrv serves
+        assert "execute_code" in idx and "only_there\ta tool of the remote host" in idx
         sid = d.new(name="t")
         d.write(f"s/{sid}/ctl", "tool_load execute_code")
         d.prompt(sid, "who")
