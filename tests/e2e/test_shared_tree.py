@@ -22,7 +22,7 @@ from olliefs.fs import tls9p
 from olliefs.fs.export9p import EROFS, AddressError, parse_address
 from olliefs.testing import wait_until
 from tests.conftest import Daemon, script
-from tests.e2e.test_export9p import exported, follow
+from tests.e2e.test_export9p import exported, follow, write_file
 from tests.e2e.test_tools import reply
 
 
@@ -85,11 +85,20 @@ async def test_a_tls_export_is_pinned_by_its_client_like_ssh_known_hosts(
     assert cert.exists() and (cert.parent / "key.pem").stat().st_mode & 0o077 == 0
     assert f"TLS certificate {tls9p.fingerprint_of(cert)}" in d.stderr()
     known = tmp_path / "known_9p"
+    d.replay.add(script(reply("over TLS")))
+    sid = d.new(name="t")
     with trio.fail_after(30):
         for _ in range(2):  # the first meeting pins it, the second checks the pin
             async with Client.connect(await tls9p.connect("127.0.0.1", port, known)) as c:
                 root = await c.attach("me")
                 assert b"openai" in await c.read_all(root, "backends")
+        # A prompt written and the stream followed over TLS, as a shell there would.
+        async with Client.connect(await tls9p.connect("127.0.0.1", port, known)) as c:
+            root = await c.attach("me")
+            await write_file(c, root, f"s/{sid}/prompt", b"hi")
+            assert b"assistant: over TLS" in await follow(
+                c, root, f"s/{sid}/stream", b"assistant: over TLS"
+            )
         assert known.read_text() == f"127.0.0.1:{port} {tls9p.fingerprint_of(cert)}\n"
         # A plain 9P client gets nothing out of it: the daemon wants TLS first.
         plain = await trio.open_tcp_stream("127.0.0.1", port)
