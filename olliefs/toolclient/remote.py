@@ -123,6 +123,7 @@ class SshToolsrv:
         self._key = b""
         self._stop: trio.Event | None = None
         self.connects = 0
+        self._closing = False
         self.last_error = ""
         self.remote = True
 
@@ -232,7 +233,7 @@ class SshToolsrv:
                 if proc.returncode is None:
                     proc.kill()
                 await proc.wait()
-            if proc is self._proc:
+            if proc is self._proc and not self._closing:
                 self.on_change()
                 log.warning(
                     "toolsrv %s: ssh ended (%s); reconnects on next use",
@@ -265,6 +266,7 @@ class SshToolsrv:
         return f"{self.target} disconnected (reconnects on next use)"
 
     async def aclose(self) -> None:
+        self._closing = True  # the daemon stops: the ssh ending is no news
         if self._stop is not None:
             self._stop.set()
         proc = self._proc
