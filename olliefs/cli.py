@@ -39,6 +39,7 @@ import trio
 
 from olliefs import mounts
 from olliefs.settings import Paths, install_defaults, load_settings, paths, private_file
+from olliefs.toolclient import remote
 
 if TYPE_CHECKING:
     from olliefs.fs.export9p import Address
@@ -276,11 +277,16 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.toolsrv:
         # A remote toolsrv: the daemon (and its forked child) read these as settings.
         if not args.toolsrv.startswith("unix:"):
-            raise CliError(f"--toolsrv: only unix:PATH is supported: {args.toolsrv}")
-        if not args.toolsrv_key_file:
+            try:
+                remote.parse_toolsrv(args.toolsrv)
+            except ValueError as err:
+                raise CliError(f"--toolsrv: unix:PATH, local or ssh:...: {err}") from None
+            os.environ["OLLIE_TOOLSRV"] = args.toolsrv  # ssh is the authentication
+        elif not args.toolsrv_key_file:
             raise CliError("--toolsrv needs --toolsrv-key-file (the key toolsrv was started with)")
-        os.environ["OLLIE_TOOLSRV"] = args.toolsrv
-        os.environ["OLLIE_TOOLSRV_KEY_FILE"] = os.path.abspath(args.toolsrv_key_file)
+        else:
+            os.environ["OLLIE_TOOLSRV"] = args.toolsrv
+            os.environ["OLLIE_TOOLSRV_KEY_FILE"] = os.path.abspath(args.toolsrv_key_file)
     p.ensure()
     install_defaults(p)
     if args.ready_fd is not None:  # the daemon child; the parent did the checks
@@ -419,6 +425,13 @@ def _dead(mnt: str) -> int:
     return DEAD
 
 
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.mountpoint is not None:
         mnt = mounts.canonical(args.mountpoint)
@@ -434,6 +447,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                 )
                 for addr in d.exports:
                     print(f"9P export on {addr}")
+                for line in _lines(d.run / "9p-peers"):
+                    print(f"9P client {line}")
+                for line in remote.status_in(d.run):
+                    print(f"remote toolsrv {line}")
             return LIVE
         if st.state is mounts.State.DEAD:
             return _dead(mnt)
@@ -450,6 +467,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"mounted at {mnt} (daemon pid {pid}), {sessions} sessions, state in {p.state}")
         for addr in mounts.exports_in(p.pid_file):
             print(f"9P export on {addr}")
+        for line in _lines(p.run / "9p-peers"):
+            print(f"9P client {line}")
+        for line in remote.status_in(p.run):
+            print(f"remote toolsrv {line}")
         return LIVE
     # A killed daemon leaves its pid file behind, naming the mount it left dead.
     places = [default_mountpoint()]
@@ -696,7 +717,11 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("mountpoint", nargs="?")
     m.add_argument("-f", "--foreground", action="store_true")
     m.add_argument("-v", "--verbose", action="store_true")
-    m.add_argument("--toolsrv", metavar="unix:PATH", help="use this toolsrv, not a spawned one")
+    m.add_argument(
+        "--toolsrv",
+        metavar="ADDR",
+        help="use this toolsrv, not a spawned one: unix:PATH, local or ssh:[user@]host[:dir]",
+    )
     m.add_argument("--toolsrv-key-file", metavar="FILE", help="the hex key that toolsrv uses")
     m.add_argument(
         "--9p",

@@ -13,6 +13,7 @@ sessions close.
 from __future__ import annotations
 
 import fcntl
+import functools
 import gc
 import logging
 import os
@@ -223,9 +224,19 @@ async def _serve(
 
             # The same root node serves both frontends. Listening before the mount
             # appears: once ``ollie mount`` says ready, 9P clients can connect too.
-            export = export9p.Export(ops.root, Waiters(max_waiters), exports.key, forget=forget)
+            export = export9p.Export(
+                ops.root,
+                Waiters(max_waiters),
+                exports.key,
+                forget=forget,
+                peers_file=paths.run / "9p-peers",
+            )
             try:
-                bound = await nursery.start(export9p.serve, export, exports.addresses)
+                bound = await nursery.start(
+                    functools.partial(export9p.serve, tls_config=paths.config),
+                    export,
+                    exports.addresses,
+                )
             except export9p.AddressError as err:
                 with trio.CancelScope(shield=True):
                     await reg.aclose()

@@ -16,10 +16,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import filecmp
+import importlib.metadata
 import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from olliefs import mounts
 from olliefs.settings import Paths, shipped_dir
+from olliefs.toolclient import remote
 
 
 @dataclass(frozen=True)
@@ -413,8 +416,49 @@ def check_overrides(p: Paths, shipped: Path | None = None) -> Result:
 # ---- all of them -----------------------------------------------------------------------
 
 
+def check_remote_toolsrv(settings: Mapping[str, str], timeout: float = 30.0) -> Result | None:
+    """With ``OLLIE_TOOLSRV=ssh:...``: is the host reachable, and which toolsrv answers
+    there (``toolsrv --version`` over the same ssh command line the daemon uses)."""
+    name = "remote toolsrv"
+    value = settings.get("OLLIE_TOOLSRV", "")
+    if value.startswith("unix:"):
+        return None  # a local socket: the daemon checks its key when it attaches
+    try:
+        target = remote.parse_toolsrv(value)
+    except ValueError as err:
+        return fail(name, str(err), "set OLLIE_TOOLSRV=local or ssh:[user@]host[:dir]")
+    if target is None:
+        return None
+    argv = remote.ssh_argv(target.dest, settings, "--version")
+    try:
+        got = subprocess.run(
+            argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=False
+        )
+    except FileNotFoundError:
+        return fail(name, f"no ssh on this machine ({argv[0]})", "install openssh-client")
+    except subprocess.TimeoutExpired:
+        return fail(name, f"ssh {target.dest}: no answer in {timeout:.0f}s", "check the host")
+    out = got.stdout.decode(errors="replace").strip()
+    if got.returncode != 0 or not out.startswith("toolsrv "):
+        why = remote.why_failed(target.dest, settings, got.returncode, got.stderr, b"")
+        return fail(name, why, f"make `ssh {target.dest} toolsrv --version` work")
+    mine = _version()
+    there = out.split()[-1]
+    same = "same as here" if there == mine else f"this machine has {mine}"
+    return ok(name, f"{target}: {out} ({same})")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("olliefs")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def run(p: Paths, settings: Mapping[str, str]) -> list[Result]:
+    remote_check = check_remote_toolsrv(settings)
     return [
+        *([remote_check] if remote_check is not None else []),
         check_dev_fuse(),
         check_fusermount(),
         check_landlock(),

@@ -21,6 +21,7 @@ import msgspec
 from olliefs.backend.base import GenerationParams
 from olliefs.errors import InvalidRequest
 from olliefs.mounts import InsideTree, real_dir
+from olliefs.toolclient.remote import parse_toolsrv
 
 MaxTokens = Annotated[int, msgspec.Meta(gt=0, le=10_000_000)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -39,6 +40,9 @@ class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     presence_penalty: Penalty | None = None
     thinking_budget: Budget | None = None
     edits: Literal["direct", "review"] = "direct"  # checkpoints: applied or staged
+    # Where the tools run: "" the daemon's default (OLLIE_TOOLSRV), ``local``, or
+    # ``ssh:[user@]host[:dir]`` (olliefs.toolclient.remote).
+    toolsrv: str = ""
 
     def params(self) -> GenerationParams:
         return GenerationParams(
@@ -73,7 +77,8 @@ class Cfg(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 # Keys as ``cfg`` shows them, in order; the generation parameters may be empty (unset).
 KEYS = ("state", "backend", "model", "agent", "cwd", "maxTokens", "temperature",
-        "frequencyPenalty", "presencePenalty", "thinkingBudget", "edits")  # fmt: skip
+        "frequencyPenalty", "presencePenalty", "thinkingBudget", "edits",
+        "toolsrv")  # fmt: skip
 PARAM_KEYS = KEYS[5:10]
 _FIELD_TYPES = {
     "maxTokens": MaxTokens | None,
@@ -92,6 +97,15 @@ def parse_param(key: str, value: str) -> Any:
         return msgspec.convert(value, _FIELD_TYPES[key], strict=False)
     except msgspec.ValidationError as err:
         raise InvalidRequest(f"{key}: {err}: {value}") from None
+
+
+def check_toolsrv(value: str) -> str:
+    """A written ``toolsrv`` value, checked (empty: back to the daemon's default)."""
+    try:
+        target = parse_toolsrv(value)
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
+    return "" if not value else str(target) if target is not None else "local"
 
 
 def resolve_cwd(value: str) -> str:

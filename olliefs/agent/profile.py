@@ -21,6 +21,7 @@ maxSteps           tool rounds per turn before the final summary turn
 compactionModel    model (same backend) that writes compaction summaries
 maxTokens ...      generation parameters: maxTokens temperature frequencyPenalty
                    presencePenalty thinkingBudget
+toolsrv            where the tools run: ``local`` or ``ssh:[user@]host[:dir]``
 hooks              event -> command or list of commands (see `hooks`)
 hookFailure        "warn" (default) or "block": a crashing or hanging hook blocks
 hookTimeout        seconds per hook command (default 60)
@@ -58,6 +59,7 @@ from olliefs.agent.config import MaxTokens, Penalty, Temperature
 from olliefs.agent.hooks import EVENTS, HOOK_TIMEOUT, HookFailure
 from olliefs.agent.jsonscan import JsonScanner
 from olliefs.errors import InvalidRequest
+from olliefs.toolclient.remote import parse_toolsrv
 
 MAX_PROFILE_BYTES = 1024 * 1024
 DEFAULT_TOOLS: Final[tuple[str, ...]] = ("client_9p",)
@@ -105,6 +107,7 @@ class Profile(
     text_tool_calls: bool | None = None
     edits: Literal["direct", "review"] | None = None  # checkpoints: cfg edits
     checkpoint_limit: CheckpointLimit | None = None  # bytes of pre-images kept
+    toolsrv: str | None = None
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into a ValidationError, so these checks report
@@ -131,6 +134,8 @@ class Profile(
             for n in names:
                 if not self.permits(n):
                     raise ValueError(f"{key}: {n} is not permitted by allowTools")
+        if self.toolsrv is not None:
+            parse_toolsrv(self.toolsrv)  # its ValueError names what is wrong
         for event, cmds in self.hooks.items():
             if event not in EVENTS:
                 raise ValueError(f"hooks: unknown event {event!r} (events: {' '.join(EVENTS)})")

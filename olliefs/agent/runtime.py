@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class ToolLink:
-    def __init__(self, toolsrv: Toolsrv, agent_id: str, wanted: list[str]) -> None:
+    def __init__(self, toolsrv: Toolsrv, agent_id: str, wanted: list[str], where: str = "") -> None:
         self.toolsrv = toolsrv
+        self.where = where  # cfg toolsrv: "" the daemon's default, local, ssh:...
         self.agent_id = agent_id
         self.wanted = list(wanted)
         # Checkpoints: the (store, turn) each call is captured under (None: not captured).
@@ -75,7 +76,7 @@ class ToolLink:
     async def _hold(self, closed: trio.Event, task_status: trio.TaskStatus[ToolsrvConn]) -> None:
         started = False
         try:
-            async with self.toolsrv.connect(self.agent_id) as conn:
+            async with self.toolsrv.connect(self.agent_id, self.where) as conn:
                 task_status.started(conn)
                 started = True
                 await closed.wait()

@@ -37,10 +37,17 @@ protocol an ``afid`` could carry, while every client can set ``aname`` (plan9por
 one is answered "authentication failed" and the attach creates nothing. 9P is not
 encrypted: off loopback the key and the traffic are readable on the wire, so remote use
 belongs on a network that is private already (a VPN, an ssh tunnel).
+
+Read-only exports (``ADDR,ro``): the listener of that address serves an ``Export`` copy
+with ``readonly`` set (the tree, counters and bounds shared with the others), and every
+change is refused before it reaches a node: an open for writing or with OTRUNC, create,
+remove and a Twstat that changes anything. The Rerror text is the one Linux v9fs maps
+to EROFS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import hmac
@@ -49,10 +56,12 @@ import logging
 import os
 import pwd
 import socket
+import ssl
 import stat as _stat
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import trio
@@ -78,6 +87,7 @@ from ninep.server import (
     serve_connection,
 )
 from olliefs import errors
+from olliefs.fs import tls9p
 from olliefs.fs.nodes import Dir, File, Handle, Node, Open, Waiters
 
 log = logging.getLogger(__name__)
@@ -86,6 +96,8 @@ R = TypeVar("R")
 
 EAUTH = "authentication failed"
 EDENIED = "permission denied"
+# Linux v9fs maps this very text to EROFS (its 9P2000 error table); others show it.
+EROFS = "Read-only file system"
 U32 = 0xFFFFFFFF
 U64 = 0xFFFFFFFFFFFFFFFF
 
@@ -101,19 +113,36 @@ class Address:
     path: str = ""
     host: str = ""
     port: int = 0
+    ro: bool = False  # ``,ro``: every change refused (EROFS)
+    tls: bool = False  # ``,tls``: TLS with the daemon's pinned certificate (tls9p)
 
     def __str__(self) -> str:
+        opts = (",ro" if self.ro else "") + (",tls" if self.tls else "")
         if self.kind == "unix":
-            return f"unix:{self.path}"
+            return f"unix:{self.path}{opts}"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp:{host}:{self.port}"
+        return f"tcp:{host}:{self.port}{opts}"
 
 
 class AddressError(ValueError):
     """A ``--9p`` address that cannot be served as asked (the message says why)."""
 
 
+OPTIONS = ("ro", "tls")
+
+
 def parse_address(text: str) -> Address:
+    """``unix:PATH`` or ``tcp:HOST:PORT``, then options after commas (``,ro``)."""
+    base, *opts = text.split(",")
+    if opts and all(o in OPTIONS for o in opts):
+        a = dataclasses.replace(_parse_base(base), ro="ro" in opts, tls="tls" in opts)
+        if a.tls and a.kind != "tcp":
+            raise AddressError(f"bad 9P address {text!r}: tls goes with tcp:HOST:PORT")
+        return a
+    return _parse_base(text)
+
+
+def _parse_base(text: str) -> Address:
     kind, sep, rest = text.partition(":")
     if kind == "unix" and sep and rest:
         return Address("unix", path=os.path.abspath(os.path.expanduser(rest)))
@@ -124,7 +153,7 @@ def parse_address(text: str) -> Address:
         if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
             raise AddressError(f"bad 9P address {text!r}: tcp:HOST:PORT (e.g. tcp:127.0.0.1:5640)")
         return Address("tcp", host=host, port=int(port_s))
-    raise AddressError(f"bad 9P address {text!r}: unix:PATH or tcp:HOST:PORT")
+    raise AddressError(f"bad 9P address {text!r}: unix:PATH or tcp:HOST:PORT[,ro][,tls]")
 
 
 def is_loopback(host: str) -> bool:
@@ -218,6 +247,24 @@ class Export:
     key: str | None = None
     stats: ServerStats = field(default_factory=ServerStats)
     user: str = field(default_factory=_user)
+    readonly: bool = False  # this address's clients may read and follow, never change
+    tls: ssl.SSLContext | None = None  # this address's clients speak TLS first
+    address: str = ""  # the address this copy serves (shown with its peers)
+    # Who is connected, to what: shared by the copies of every address, and written to
+    # ``peers_file`` (run dir) for ``ollie status`` at each change, replaced whole.
+    peers: dict[int, str] = field(default_factory=dict)
+    peers_file: Path | None = None
+
+    def peer_changed(self) -> None:
+        if self.peers_file is None:
+            return
+        tmp = self.peers_file.with_suffix(".tmp")
+        try:
+            tmp.write_text("".join(f"{p}\n" for p in self.peers.values()))
+            os.replace(tmp, self.peers_file)
+        except OSError as err:
+            log.info("%s not written: %s", self.peers_file, err.strerror)
+
     # Called with (directory, name) after a name there went away or changed over 9P:
     # the FUSE frontend drops the kernel's cached lookup of it (``daemon.py``).
     forget: Callable[[Node, str], None] = lambda d, name: None
@@ -278,10 +325,16 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
 
     # ---- open, read, write, clunk ------------------------------------------------
 
+    def _writable(self) -> None:
+        if self.export.readonly:
+            raise NinePError(EROFS)
+
     async def open(self, node: Ref, mode: int) -> Opened:
         n = node.node
         if not n.valid():
             raise NinePError(ENOTFOUND)
+        if mode & 3 in (OWRITE, ORDWR) or mode & OTRUNC:
+            self._writable()
         if isinstance(n, Dir):
             await _translated(n.prepare())
             return None
@@ -337,6 +390,7 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
     # ---- namespace changes -------------------------------------------------------
 
     async def create(self, node: Ref, name: str, perm: int, mode: int) -> tuple[Ref, Opened]:
+        self._writable()
         d = node.node
         if not isinstance(d, Dir) or not d.valid():
             raise NinePError(ENOTFOUND)
@@ -349,6 +403,7 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
         return Ref(made, name, node), handle
 
     async def remove(self, node: Ref) -> None:
+        self._writable()
         parent = node.parent
         if parent is None or not isinstance(parent.node, Dir):
             raise NinePError(EDENIED)
@@ -366,6 +421,8 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
         n = node.node
         if not n.valid():
             raise NinePError(ENOTFOUND)
+        if not _changes_nothing(stat):  # a Twstat touching nothing is fsync: allowed
+            self._writable()
         user = self.export.user
         for owner in (stat.uid, stat.gid, stat.muid):
             if owner and owner != user:
@@ -396,6 +453,14 @@ class TreeFS(BaseFileSystem[Ref, Opened]):
             await _translated(n.set_times(atime, mtime))
 
 
+def _changes_nothing(stat: Stat) -> bool:
+    return (
+        not (stat.name or stat.uid or stat.gid or stat.muid)
+        and stat.length == U64
+        and U32 == stat.mode == stat.atime == stat.mtime
+    )
+
+
 def _by_name(entry: tuple[str, Node]) -> str:
     return entry[0]
 
@@ -421,9 +486,37 @@ async def _serve_client(export: Export, stream: trio.SocketStream, unix: bool) -
     # Over TCP without a key nobody can tell a tool (a profile with network) from its
     # user: UNVERIFIED makes the writes a tool may not make (a/ profiles) refused.
     pid = _peer_pid(stream) if unix else (0 if export.key is not None else UNVERIFIED)
-    stats = export.stats
+    key = id(stream)
+    export.peers[key] = f"{_peer_name(stream, pid, unix)} on {export.address}"
+    export.peer_changed()
     try:
-        await serve_connection(stream, TreeFS(export, pid), stats=stats)
+        await _serve_peer(export, stream, pid, unix)
+    finally:
+        del export.peers[key]
+        export.peer_changed()
+
+
+def _peer_name(stream: trio.SocketStream, pid: int, unix: bool) -> str:
+    if unix:
+        return f"pid {pid}"
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _serve_peer(export: Export, stream: trio.SocketStream, pid: int, unix: bool) -> None:
+    stats = export.stats
+    served: trio.abc.Stream = stream
+    if export.tls is not None:
+        try:
+            served = await tls9p.serve_side(stream, export.tls)
+        except tls9p.TlsError as err:
+            log.info("9P client refused: %s", err)
+            return
+    try:
+        await serve_connection(served, TreeFS(export, pid), stats=stats)
     except Exception:
         log.exception("9P connection failed")
     # What the server still holds after a client leaves: operators (and the tests) can
@@ -482,20 +575,37 @@ async def serve(
     export: Export,
     addresses: Sequence[Address],
     *,
+    tls_config: Path | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on every address and serve until cancelled; ``task_status.started`` gets
     the addresses actually bound (a TCP port 0 becomes the port the kernel chose) once
     clients can connect. Unix socket files are removed when serving stops."""
     cleanups: list[Callable[[], None]] = []
-    listeners: list[tuple[trio.SocketListener, bool]] = []
+    export.peer_changed()  # none yet (a file left by a daemon before is replaced)
+    listeners: list[tuple[trio.SocketListener, bool, Export]] = []
     bound: list[str] = []
     try:
         for a in addresses:
+            # A read-only address shares the tree, counters and bounds of the others.
+            served = dataclasses.replace(export, readonly=a.ro, address=str(a))
+            if a.tls:
+                if tls_config is None:
+                    raise AddressError(f"9P address {a}: no config dir for its certificate")
+                try:
+                    ctx = tls9p.server_context(tls_config)
+                except (tls9p.TlsError, OSError, ssl.SSLError) as err:
+                    raise AddressError(f"9P address {a}: {err}") from None
+                served = dataclasses.replace(served, tls=ctx)
+                log.info(
+                    "9P export %s: TLS certificate %s",
+                    a,
+                    tls9p.fingerprint_of(tls9p.cert_dir(tls_config) / "cert.pem"),
+                )
             if a.kind == "unix":
                 listener, remove = await _unix_listener(a.path)
                 cleanups.append(remove)
-                listeners.append((listener, True))
+                listeners.append((listener, True, served))
                 bound.append(str(a))
                 continue
             try:
@@ -506,16 +616,18 @@ async def serve(
                 log.warning("9P export on %s has no key: every local user can use it", a)
             for t in tcp:
                 sockname = t.socket.getsockname()
-                listeners.append((t, False))
-                bound.append(str(Address("tcp", host=sockname[0], port=sockname[1])))
+                real = str(dataclasses.replace(a, host=sockname[0], port=sockname[1]))
+                listeners.append((t, False, dataclasses.replace(served, address=real)))
+                bound.append(real)
         async with trio.open_nursery() as nursery:
-            for (listener, unix), name in zip(listeners, bound, strict=True):
-                nursery.start_soon(_accept_loop, export, listener, unix, name, nursery)
+            for listener, unix, served in listeners:
+                name = served.address
+                nursery.start_soon(_accept_loop, served, listener, unix, name, nursery)
             for b in bound:
                 log.info("9P export listening on %s", b)
             task_status.started(bound)
     finally:
-        for listener, _ in listeners:
+        for listener, _, _ in listeners:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
         for cleanup in cleanups:

@@ -67,6 +67,7 @@ PROFILE_PARAMS = (
     "frequencyPenalty",
     "presencePenalty",
     "thinkingBudget",
+    "toolsrv",
 )
 """Profile keys that are also cfg keys: a new session takes them from its profile."""
 SUB = "__"  # <parent>__<child>: a subagent's session name
@@ -118,6 +119,7 @@ class Registry:
         self._catalogue_at = -1e9
         self._catalogue_lock = trio.Lock()
         self._tree_link = ToolLink(self.toolsrv, TREE_AGENT, [])
+        self._shell_links: dict[str, ToolLink] = {}
         self._tree_link.bind(nursery)
         # Profiles as read during a restore (every session of a profile reads the same);
         # None outside a restore, where each read goes to the file.
@@ -735,10 +737,15 @@ class Registry:
         cwd: str,
         env: Mapping[str, str],
         capture: tuple[str, int, bool] = ("", 0, False),
+        where: str = "",
     ) -> tuple[str, bool]:
         """A ``!cmd`` prompt: bash through toolsrv's ``execute_code``, sandboxed like any
-        tool (the user typed it, but a prompt can also come from an agent or a peer)."""
-        link = self._tree_link
+        tool (the user typed it, but a prompt can also come from an agent or a peer), on
+        the session's toolsrv (``where``), one link per toolsrv named."""
+        link = self._shell_links.get(where) if where else self._tree_link
+        if link is None:
+            link = self._shell_links[where] = ToolLink(self.toolsrv, TREE_AGENT, [], where)
+            link.bind(self._nursery)
         if "execute_code" not in link.wanted:
             link.set_wanted([*link.wanted, "execute_code"])
         args = {"code": cmd, "language": "bash"}
@@ -905,6 +912,8 @@ class Registry:
             s.journal.close()
         self.generation += 1  # closed sessions are no longer valid in the tree
         self._tree_link.close()
+        for link in self._shell_links.values():
+            link.close()
         self.events.close()
         await self.toolsrv.aclose()
         if self._pool is not None:

@@ -41,7 +41,7 @@ import trio
 from olliefs.agent.agent import Agent, Services
 from olliefs.agent.build import Runtime
 from olliefs.agent.chat import ChatRenderer
-from olliefs.agent.config import KEYS, PARAM_KEYS, Cfg, parse_param, resolve_cwd
+from olliefs.agent.config import KEYS, PARAM_KEYS, Cfg, check_toolsrv, parse_param, resolve_cwd
 from olliefs.agent.events import Event, EventRole, encode_line
 from olliefs.agent.loop import TurnEnded
 from olliefs.agent.retry import RetryPolicy
@@ -143,6 +143,7 @@ class SessionHost(Protocol):
         cwd: str,
         env: Mapping[str, str],
         capture: tuple[str, int, bool] = ("", 0, False),
+        where: str = "",
     ) -> tuple[str, bool]: ...
 
     async def context_length(self, backend: str, model: str) -> int: ...
@@ -215,7 +216,7 @@ class Session:
         self._submitting = trio.Lock()
         journal.on_broken = self._journal_broken
         journal.on_mended = self._journal_mended
-        link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent))
+        link = ToolLink(host.toolsrv, uid, host.profile_tools(cfg.agent), cfg.toolsrv)
         link.on_dropped = self._tool_dropped
         link.capture = self.capture_key
         self.agent = Agent(
@@ -655,7 +656,7 @@ class Session:
         self.set_state("calling: !")
         try:
             text, failed = await self.host.run_shell(
-                cmd, self.cwd, self.agent.tool_env(), self.capture_key()
+                cmd, self.cwd, self.agent.tool_env(), self.capture_key(), self.cfg.toolsrv
             )
         except ToolsrvError as err:
             self.error(f"!{cmd}: {err}")
@@ -794,6 +795,8 @@ class Session:
         new: Any
         if key in PARAM_KEYS:
             new = parse_param(key, value)
+        elif key == "toolsrv":
+            new = check_toolsrv(value)
         elif not value:
             return lambda: None  # an empty value leaves the key as it is
         elif key == "backend":
@@ -823,6 +826,8 @@ class Session:
         draft[0] = draft[0].with_values({key: new})
         if key == "agent":
             return lambda: self.switch_agent(new)
+        if key == "toolsrv":
+            return lambda: self.switch_toolsrv(new)
         return lambda: self.set_cfg({key: new})
 
     async def switch_agent(self, name: str) -> None:
@@ -851,15 +856,8 @@ class Session:
         ):
             values[key] = v
         self.set_cfg(values, announce=False)
-        old = self.agent.link
         tools = rt.initial_tools
-        link = ToolLink(self.host.toolsrv, self.uid, tools)
-        link.on_dropped = self._tool_dropped
-        link.capture = self.capture_key
-        if self._nursery is not None:
-            link.bind(self._nursery)
-        old.close()
-        self.agent.link = link
+        self._relink(tools)
         self.record(persist.Tools(tools))
         self._adopt(rt)
         if rt.max_steps:
@@ -932,9 +930,28 @@ class Session:
             except DiskError:
                 break  # refused, and chat says so; the ones after it would be too
 
+    def _relink(self, tools: list[str]) -> None:
+        """A fresh toolsrv link (agent switched, or its toolsrv moved), ``tools`` wanted."""
+        old = self.agent.link
+        link = ToolLink(self.host.toolsrv, self.uid, tools, self.cfg.toolsrv)
+        link.on_dropped = self._tool_dropped
+        link.capture = self.capture_key
+        if self._nursery is not None:
+            link.bind(self._nursery)
+        old.close()
+        self.agent.link = link
+
+    def switch_toolsrv(self, where: str) -> None:
+        """``cfg toolsrv=``: the same tools, loaded again on the toolsrv ``where`` names
+        (the next model request attaches there; a host not reachable says so then)."""
+        self.set_cfg({"toolsrv": where})
+        self._relink(list(self.agent.link.wanted))
+
     def set_cfg(self, values: Mapping[str, Any], *, announce: bool = True) -> None:
         self.record(persist.Cfg(dict(values)), strict=True)
         self.agent.cfg = self.agent.cfg.with_values(dict(values))
+        if "toolsrv" in values:  # a restore: the link is not connected yet
+            self.agent.link.where = self.cfg.toolsrv
         if announce:
             for key, value in values.items():
                 self.emit("info", f"{key} set to {'(unset)' if value is None else value}")

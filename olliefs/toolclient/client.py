@@ -50,6 +50,9 @@ class ToolsrvConn:
         self.agent_id = agent_id
         self._idle: list[int] = []  # proc/rpc fids open for reading and writing, free
         self._rev: int | None = None  # agent/rev, kept open: read at 0, it is current
+        # A remote toolsrv named with a dir (``ssh:host:/dir``): the cwd of every call
+        # there, in place of the session's local one.
+        self.remote_cwd = ""
 
     @property
     def idle(self) -> int:
@@ -142,7 +145,8 @@ class ToolsrvConn:
         and an open first; ``warm`` opens them ahead for a round of calls.
         """
         c = self.client
-        req = _json.encode(CallRequest(tool, dict(args), cwd, dict(env), *capture))
+        where = self.remote_cwd or cwd
+        req = _json.encode(CallRequest(tool, dict(args), where, dict(env), *capture))
         fid: int | None = None
         try:
             fid = self._idle.pop() if self._idle else await self._open_rpc()

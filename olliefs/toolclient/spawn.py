@@ -7,7 +7,8 @@ and hands it over on the child's stdin, which it keeps open: toolsrv exits when 
 closes, so a daemon killed with SIGKILL does not leave a tool server behind.
 
 Remote: ``OLLIE_TOOLSRV=unix:/path/to.sock`` with ``OLLIE_TOOLSRV_KEY_FILE`` (the hex key
-that toolsrv was started with, ``--key-file``).
+that toolsrv was started with, ``--key-file``), or ``OLLIE_TOOLSRV=ssh:[user@]host[:dir]``:
+a toolsrv on that host over ssh (`olliefs.toolclient.remote`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import trio
 
 from olliefs.settings import Paths, private_file, shipped_dir
 from olliefs.toolclient.client import ToolsrvConn, ToolsrvError, connect
+from olliefs.toolclient.remote import STATUS_FILE, RemoteToolsrvs, SshTarget, parse_toolsrv
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,15 @@ class Toolsrv:
         self._key: bytes | None = None
         self._socket = ""
         self.spawns = 0
+        self.remotes = RemoteToolsrvs(settings, nursery, paths.run / STATUS_FILE)
         remote = settings.get("OLLIE_TOOLSRV", "")
+        self.ssh: SshTarget | None = None
+        if remote.startswith("ssh:") or remote == "local":
+            try:
+                self.ssh = parse_toolsrv(remote)
+            except ValueError as err:
+                raise ToolsrvError(f"OLLIE_TOOLSRV: {err}") from None
+            remote = ""
         if remote:
             if not remote.startswith("unix:"):
                 raise ToolsrvError(f"OLLIE_TOOLSRV: only unix:PATH is supported: {remote}")
@@ -157,7 +167,18 @@ class Toolsrv:
             log.warning("toolsrv (pid %d) exited with %s; respawned on next use", proc.pid, code)
 
     @asynccontextmanager
-    async def connect(self, agent_id: str) -> AsyncIterator[ToolsrvConn]:
+    async def connect(self, agent_id: str, where: str = "") -> AsyncIterator[ToolsrvConn]:
+        """An attach for ``agent_id`` on the toolsrv ``where`` names: ``local``,
+        ``ssh:[user@]host[:dir]``, or "" for the daemon's default (``OLLIE_TOOLSRV``)."""
+        try:
+            target = parse_toolsrv(where) if where else self.ssh
+        except ValueError as err:
+            raise ToolsrvError(str(err)) from None
+        if target is not None:
+            async with self.remotes.get(target).connect(agent_id) as conn:
+                conn.remote_cwd = target.dir
+                yield conn
+            return
         async with AsyncExitStack() as stack:
             for attempt in (1, 2):
                 sock, key = await self._ensure()
@@ -180,6 +201,7 @@ class Toolsrv:
         return proc.returncode is not None
 
     async def aclose(self) -> None:
+        await self.remotes.aclose()
         proc, self._proc = self._proc, None
         if proc is None or proc.returncode is not None:
             return

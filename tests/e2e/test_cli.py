@@ -152,7 +152,7 @@ def test_mount_errors_are_one_clear_line(cli: Cli, tmp_path: Path) -> None:
     nokey = cli.run("mount", "--toolsrv", "unix:/x.sock", str(cli.mnt))
     assert nokey.returncode == 1 and "--toolsrv needs --toolsrv-key-file" in nokey.stderr
     tcp = cli.run("mount", "--toolsrv", "tcp:1.2.3.4:5", "--toolsrv-key-file", "k", str(cli.mnt))
-    assert tcp.returncode == 1 and "only unix:PATH" in tcp.stderr
+    assert tcp.returncode == 1 and "unix:PATH, local or ssh:" in tcp.stderr
 
 
 def dead(mnt: Path) -> bool:

@@ -92,6 +92,7 @@ def test_new_session_and_its_files(daemon: Daemon) -> None:
         "presencePenalty=",
         "thinkingBudget=",
         "edits=direct",
+        "toolsrv=",
     ]
     env = daemon.read("s/demo/env").splitlines()
     assert env[0] == "OLLIE_SESSION_ID=demo"

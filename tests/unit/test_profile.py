@@ -101,6 +101,7 @@ def test_every_key_round_trips() -> None:
         "textToolCalls": False,
         "edits": "review",
         "checkpointLimit": 1 << 30,
+        "toolsrv": "ssh:me@build:/src",
     }
     assert sorted(doc) == sorted(KEYS)
     v = check_complete(json.dumps(doc).encode())
