@@ -80,6 +80,7 @@ ERRNOS: dict[str, set[int]] = {
     "m/NAME": {errno.EFBIG, errno.ENOSPC},
     "tmp/PATH": {errno.EFBIG, errno.ENOSPC},
     "t/TOOL": {errno.EFBIG, errno.ENOSPC},
+    "mcp/NAME.json": {errno.EFBIG, errno.ENOSPC},
     "complete": {errno.EINVAL, errno.EBUSY, errno.EFBIG},
 }
 # What a read of complete may fail with (its entry in ollie(5)).
@@ -676,7 +677,7 @@ def test_fuzz_complete(
 
 # ---- the folders on disk -------------------------------------------------------------
 
-NAMES = {"m": "m/NAME", "tmp": "tmp/PATH", "t": "t/TOOL"}
+NAMES = {"m": "m/NAME", "tmp": "tmp/PATH", "t": "t/TOOL", "mcp": "mcp/NAME.json"}
 
 
 @FUZZ
@@ -841,6 +842,8 @@ def kind_of(rel: str, sessions: set[str]) -> str:
         return "tmp/PATH"
     if folder == "t":
         return "t/TOOL"
+    if folder == "mcp":
+        return "mcp/NAME.json"
     if folder in ("m", "p"):
         return f"{folder}/NAME"
     if folder == "tr":
@@ -883,11 +886,12 @@ FUZZERS: dict[str, str] = {
     "m/NAME": "test_fuzz_disk_file",
     "tmp/PATH": "test_fuzz_disk_file",
     "t/TOOL": "test_fuzz_disk_file",
+    "mcp/NAME.json": "test_fuzz_disk_file",
     "complete": "test_fuzz_complete",
     # Folders: creating names in them is fuzzed by test_fuzz_create_names.
     **{
         f: "test_fuzz_create_names"
-        for f in ("a/", "m/", "s/", "sk/", "t/", "tmp/", "tr/", "s/ID/peer/")
+        for f in ("a/", "m/", "mcp/", "s/", "sk/", "t/", "tmp/", "tr/", "s/ID/peer/")
     },
 }
 
@@ -917,7 +921,7 @@ def test_every_writable_file_is_fuzzed(fresh: Fuzzed) -> None:
 
 @FUZZ
 @given(
-    folder=st.sampled_from(["a", "m", "s", "sk", "t", "tmp", "tr", "p", "u", "x", "peer", ""]),
+    folder=st.sampled_from(["a", "m", "mcp", "s", "sk", "t", "tmp", "tr", "p", "u", "x", "peer", ""]),
     name=st.one_of(
         st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=40),
         st.sampled_from(["idx", "new", ".", "..", "x" * 256, "fz", "fz.json", "fz.md"]),
@@ -953,7 +957,7 @@ def test_fuzz_create_names(fresh: Fuzzed, folder: str, name: str, mkdir: bool) -
         assert tree_view(d) == before or existed, f"create {rel}: refused but changed"
         return
     fresh.count(f"created in {folder or '/'}")
-    assert folder in ("a", "m", "sk", "t", "tmp"), f"created {rel} in a read-only folder"
+    assert folder in ("a", "m", "mcp", "sk", "t", "tmp"), f"created {rel} in a read-only folder"
     if folder == "a" and not mkdir:
         # A profile is made by its first valid close: an empty create makes none.
         assert not os.path.lexists(d.p(rel)) or existed
