@@ -921,7 +921,9 @@ def test_every_writable_file_is_fuzzed(fresh: Fuzzed) -> None:
 
 @FUZZ
 @given(
-    folder=st.sampled_from(["a", "m", "mcp", "s", "sk", "t", "tmp", "tr", "p", "u", "x", "peer", ""]),
+    folder=st.sampled_from(
+        ["a", "m", "mcp", "s", "sk", "t", "tmp", "tr", "p", "u", "x", "peer", ""]
+    ),
     name=st.one_of(
         st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=40),
         st.sampled_from(["idx", "new", ".", "..", "x" * 256, "fz", "fz.json", "fz.md"]),
