@@ -37,8 +37,9 @@ from olliefs.fs.nodes import (
 )
 from olliefs.fs.profiles import ProfilesDir
 from olliefs.session import checkpoints
+from olliefs.session.catalogue import CATALOGUE_MAX_AGE
 from olliefs.session.commands import help_text
-from olliefs.session.registry import CATALOGUE_MAX_AGE, NEW_TEMPLATE, Registry
+from olliefs.session.registry import NEW_TEMPLATE, Registry
 from olliefs.session.session import MAX_PROMPT, Session
 from olliefs.settings import shipped_dir
 
@@ -443,7 +444,7 @@ def session_tools(reg: Registry, s: Session, stamp: Stamp) -> Dir:
     def entries() -> dict[str, Node]:
         idx = Text((*key, "idx"), lambda: reg.tools_idx_text(permits), live, stamp=stamp)
         out: dict[str, Node] = {"idx": idx}
-        for name in sorted(reg.catalogue):
+        for name in sorted(reg.tools.catalogue):
             path = reg.tool_script(name) if permits(name) else None
             if path is not None:
                 out[name] = DiskFile((*key, name), path)

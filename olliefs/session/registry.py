@@ -10,22 +10,17 @@ import secrets
 import shutil
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import msgspec
 import trio
 
 from olliefs.agent.agent import Services
-from olliefs.agent.build import Runtime, build_runtime
 from olliefs.agent.compact import checkpoint as checkpoint_messages
 from olliefs.agent.config import Cfg, resolve_cwd
 from olliefs.agent.events import Event, encode_line
-from olliefs.agent.profile import DEFAULT_TOOLS, Profile, load_profile, permits, profile_path
 from olliefs.agent.runtime import ToolLink
-from olliefs.agent.shell import base_env
-from olliefs.backend.base import Backend, BackendError
 from olliefs.caller import USER, Caller
 from olliefs.errors import (
     Busy,
@@ -38,17 +33,16 @@ from olliefs.errors import (
 )
 from olliefs.live import GrowingLog
 from olliefs.session import checkpoints, persist
+from olliefs.session.catalogue import Backends, Profiles, Tools
 from olliefs.session.commands import split_request
 from olliefs.session.complete import Completer
 from olliefs.session.session import Session, journal_path
-from olliefs.settings import Paths, agent_names, shipped_dir
-from olliefs.toolclient.client import ToolsrvError
+from olliefs.settings import Paths
 from olliefs.toolclient.spawn import Toolsrv
-from olliewire import ToolMeta
 from olliewire.checkpoints import Change
 
 if TYPE_CHECKING:
-    from olliefs.backend import pool
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +50,6 @@ NEW_KEYS = ("name", "cwd", "backend", "model", "agent")
 NEW_TEMPLATE = "".join(f"{k}=\n" for k in NEW_KEYS)
 RESERVED = {"new", "idx"}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-DEFAULT_MODEL = "gpt-4o-mini"
 # The daemon's own attach to toolsrv, for t/idx and tool metadata (never a session uid,
 # which always holds a '-').
 TREE_AGENT = "olliefs_tree"
@@ -71,7 +64,6 @@ PROFILE_PARAMS = (
 )
 """Profile keys that are also cfg keys: a new session takes them from its profile."""
 SUB = "__"  # <parent>__<child>: a subagent's session name
-CATALOGUE_MAX_AGE = 1.0
 RESTORE_STARTS = 32  # restored sessions whose tasks start in one pass of the event loop
 
 
@@ -107,27 +99,35 @@ class Registry:
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._logs = str(self.logs_dir)
         self.events = GrowingLog(self.logs_dir / "events")
-        self._pool: pool.Pool | None = None  # made at its first use (see ``pool``)
-        self.default_context_length = _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000)
+        self.backends = Backends(self.settings, _int(settings.get("OLLIE_CONTEXT_LENGTH"), 128000))
         self.default_backend = settings.get("OLLIE_BACKEND") or "openai"
         # The root ``complete`` file: code completion on the same backends.
-        self.completer = Completer(lambda: self.pool, self.settings, nursery, self.refused)
+        self.completer = Completer(lambda: self.backends.pool, self.settings, nursery, self.refused)
         self.toolsrv = Toolsrv(paths, self.settings, nursery)
-        # What toolsrv serves (t/idx, tool metadata, tool_load names), read over the
-        # daemon's own attach, so a remote toolsrv is listed as it really is.
-        self.catalogue: dict[str, tuple[ToolMeta, dict[str, Any]]] = {}
-        self._catalogue_at = -1e9
-        self._catalogue_lock = trio.Lock()
         self._tree_link = ToolLink(self.toolsrv, TREE_AGENT, [])
         self._shell_links: dict[str, ToolLink] = {}
         self._tree_link.bind(nursery)
-        # Profiles as read during a restore (every session of a profile reads the same);
-        # None outside a restore, where each read goes to the file.
-        self._profiles: dict[str, dict[str, Any]] | None = None
+        self.profiles = Profiles(paths)
+        self.tools = Tools(paths, self._tree_link)
+        # What sessions (``SessionHost``), the tree and the commands ask of the three.
+        self.backend = self.backends.backend
+        self.context_length = self.backends.context_length
+        self.check_backend = self.backends.check_backend
+        self.fresh_models = self.backends.fresh_models
+        self.models_command = self.backends.models_command
+        self.build_runtime = self.profiles.build_runtime
+        self.check_agent = self.profiles.check_agent
+        self.profile = self.profiles.profile
+        self.profile_tools = self.profiles.profile_tools
+        self.profile_prompt = self.profiles.profile_prompt
+        self.refresh_tools = self.tools.refresh_tools
+        self.fresh_catalogue = self.tools.fresh_catalogue
+        self.tool_meta = self.tools.tool_meta
+        self.known_tools = self.tools.known_tools
+        self.tools_idx_text = self.tools.tools_idx_text
+        self.tool_script = self.tools.tool_script
         # Sessions restored, whose tasks are not started yet (during a restore only).
         self._restored: list[Session] | None = None
-        # Profiles as built at runtime builds, by file, while the file stays the same.
-        self._loaded: dict[Path, tuple[tuple[int, int, int, int], Profile]] = {}
         self.services = Services(
             backend=self.backend,
             profile_prompt=self.profile_prompt,
@@ -139,197 +139,9 @@ class Registry:
 
     # ---- backends and profiles ------------------------------------------------------
 
-    @property
-    def pool(self) -> pool.Pool:
-        """The backends, imported and made at the first use: the backend modules (and
-        httpx under them) are a fifth of what a mount would import before it can serve,
-        and a restore or a listing needs none of them."""
-        if self._pool is None:
-            from olliefs.backend import pool as backends
-
-            self._pool = backends.Pool(self.settings)
-        return self._pool
-
-    def backend_names(self) -> list[str]:
-        from olliefs.backend import pool as backends
-
-        return backends.backend_names()
-
-    def backend(self, name: str) -> Backend:
-        try:
-            return self.pool.get(name)
-        except ValueError as err:
-            raise InvalidRequest(str(err)) from None
-
-    async def context_length(self, backend: str, model: str) -> int:
-        try:
-            return await self.pool.context_length(backend, model)
-        except ValueError as err:
-            log.info("context length of %s/%s unknown (%s)", backend, model, err)
-            return self.default_context_length
-
-    def profile_dirs(self) -> list[Path]:
-        return [self.paths.config / "agents", shipped_dir() / "profiles"]
-
-    async def build_runtime(self, name: str, cwd: str, env: Mapping[str, str]) -> Runtime:
-        """A profile loaded and built (its prompt commands run in ``cwd``)."""
-        dirs = self.profile_dirs()
-        path = profile_path(name, dirs)
-        profile = await self._load_profile(name, path, dirs)
-        return await build_runtime(
-            profile,
-            name=name,
-            cwd=cwd,
-            env=base_env() | dict(env),
-            profile_dir=path.parent,
-            prompt_dirs=[self.paths.config / "prompts", shipped_dir() / "prompts"],
-        )
-
-    async def _load_profile(self, name: str, path: Path, dirs: list[Path]) -> Profile:
-        """``load_profile``, read and checked again only when its file changed (sessions
-        of one profile that build their runtimes one after another read it once)."""
-        try:
-            st = os.stat(path)
-        except OSError:
-            stamp = None
-        else:
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            got = self._loaded.get(path)
-            if got is not None and got[0] == stamp:
-                return got[1]
-        profile = await trio.to_thread.run_sync(load_profile, name, dirs)
-        if stamp is not None:
-            self._loaded[path] = (stamp, profile)
-        return profile
-
     async def fresh_context(self, s: Session) -> None:
         """``ctxsz`` shows the real context length from its first read on."""
         s.agent.context_length = await self.context_length(s.cfg.backend, s.cfg.model)
-
-    async def fresh_models(self, s: Session, *, refresh: bool = False) -> None:
-        """``models``: what the session's backend offers (cached by the pool)."""
-        name = s.cfg.backend
-        try:
-            got = await (self.pool.refresh(name) if refresh else self.pool.models(name))
-            s.models_text = "".join(f"{m}\n" for m in got)
-        except (BackendError, ValueError) as err:
-            s.models_text = f"error: {err}\n"
-
-    async def models_command(self, s: Session) -> None:
-        await self.fresh_models(s, refresh=True)
-        n = s.models_text.count("\n")
-        if s.models_text.startswith("error:"):
-            s.error(f"models: {s.models_text.strip()[len('error: ') :]}")
-        else:
-            s.emit("info", f"models refreshed: {n} from {s.cfg.backend}")
-
-    def _default_model(self, backend: str) -> str:
-        try:
-            return self.pool.default_model(backend)
-        except ValueError:
-            return DEFAULT_MODEL
-
-    def check_backend(self, name: str) -> None:
-        if name not in self.backend_names():
-            known = " ".join(self.backend_names())
-            raise InvalidRequest(f"unknown backend: {name} (known: {known})")
-
-    def check_agent(self, name: str) -> None:
-        if name not in agent_names(self.paths):
-            raise InvalidRequest(f"unknown agent profile: {name}")
-
-    def profile(self, agent: str) -> dict[str, Any]:
-        """The profile's JSON (config dir first, then shipped); {} when unreadable."""
-        if self._profiles is None:
-            return self._read_profile(agent)
-        got = self._profiles.get(agent)
-        if got is None:
-            got = self._profiles[agent] = self._read_profile(agent)
-        return got
-
-    def _read_profile(self, agent: str) -> dict[str, Any]:
-        for d in (self.paths.config / "agents", shipped_dir() / "profiles"):
-            try:
-                data = msgspec.json.decode((d / f"{agent}.json").read_bytes())
-            except FileNotFoundError:
-                continue
-            except (OSError, msgspec.DecodeError) as err:
-                log.warning("profile %s: %s", agent, err)
-                return {}
-            return data if isinstance(data, dict) else {}
-        return {}
-
-    def profile_tools(self, agent: str) -> list[str]:
-        """The tools a session of ``agent`` starts with: ``tools`` (default client_9p),
-        then ``autoLoad``, each only if allowTools permits it (as ``Runtime``)."""
-        prof = self.profile(agent)
-        names: list[str] = []
-        for key, default in (("tools", list(DEFAULT_TOOLS)), ("autoLoad", [])):
-            got = prof.get(key, default)
-            if not isinstance(got, list) or not all(isinstance(t, str) for t in got):
-                log.warning("profile %s: %s must be a list of names", agent, key)
-                got = default
-            names += got
-        allow = prof.get("allowTools")
-        if not isinstance(allow, list) or not all(isinstance(t, str) for t in allow):
-            allow = None
-        return [t for t in dict.fromkeys(names) if permits(allow, t)]
-
-    def profile_prompt(self, agent: str) -> str:
-        prompt = self.profile(agent).get("prompt", "")
-        return prompt if isinstance(prompt, str) else ""
-
-    async def refresh_tools(self, max_age: float = 0.0, probe: Sequence[str] = ()) -> None:
-        """Read what toolsrv serves, unless the last read is younger than ``max_age``.
-
-        ``probe``: tool names just written through ``t/``, asked for by name first; an
-        unknown name makes toolsrv rescan its dirs at once, where a listing may be up to a
-        second old.
-
-        toolsrv not reachable: the catalogue stays as it was and the reason is logged;
-        the tree shows what it knew.
-        """
-        async with self._catalogue_lock:
-            if trio.current_time() - self._catalogue_at < max_age:
-                return
-            try:
-                conn = await self._tree_link.conn()
-                if probe:
-                    await conn.metas(list(probe))
-                self.catalogue = await conn.metas(await conn.names())
-            except ToolsrvError as err:
-                log.warning("tool catalogue not read: %s", err)
-                return
-            self._catalogue_at = trio.current_time()
-
-    async def fresh_catalogue(self) -> None:
-        await self.refresh_tools(CATALOGUE_MAX_AGE)
-
-    def tool_meta(self, name: str) -> ToolMeta | None:
-        got = self.catalogue.get(name)
-        return None if got is None else got[0]
-
-    def known_tools(self, s: Session) -> set[str]:
-        return set(self.catalogue) | set(s.agent.link.catalogue)
-
-    def tools_idx_text(self, permits: Callable[[str], bool] = lambda name: True) -> str:
-        """``t/idx``: name, description, args schema, tier, parallel flag; tab-separated.
-        ``permits``: only the tools it lets through (a session's ``t/idx``)."""
-        out = []
-        for name, (meta, schema) in sorted(self.catalogue.items()):
-            if not permits(name):
-                continue
-            args = msgspec.json.encode(schema).decode()
-            flag = "parallel" if meta.parallel else "serial"
-            out.append(f"{name}\t{meta.description}\t{args}\t{meta.tier}\t{flag}\n")
-        return "".join(out)
-
-    def tool_script(self, name: str) -> Path | None:
-        """The script of a tool toolsrv serves, where this machine has it (user's first)."""
-        for d in (self.paths.config / "tools", shipped_dir() / "tools"):
-            if (d / name).is_file():
-                return d / name
-        return None
 
     def log_path(self, uid: str, kind: str) -> str | None:
         # A string: pathlib's ``/`` was a tenth of what restoring a session cost.
@@ -398,7 +210,7 @@ class Registry:
         return "".join(self.sessions[k].idx_line() for k in sorted(self.sessions))
 
     def backends_text(self) -> str:
-        return self.pool.backends_text()
+        return self.backends.pool.backends_text()
 
     def get(self, sid: str) -> Session:
         try:
@@ -453,7 +265,7 @@ class Registry:
         values.setdefault("backend", self.default_backend)
         self.check_backend(values["backend"])
         if "model" not in values:
-            values["model"] = self.settings.get("OLLIE_MODEL") or self._default_model(
+            values["model"] = self.settings.get("OLLIE_MODEL") or self.backends.default_model(
                 values["backend"]
             )
         if "name" in values:
@@ -858,14 +670,14 @@ class Registry:
         walked everything restored so far many times over).
         """
         self._nursery.start_soon(self._remove_old_logs)
-        self._profiles = {}
+        self.profiles.caching(True)
         self._restored = []
         collecting = gc.isenabled()
         gc.disable()
         try:
             self._restore_all()
         finally:
-            self._profiles = None
+            self.profiles.caching(False)
             self._nursery.start_soon(self._start_restored, self._restored)
             self._restored = None
             if collecting:
@@ -916,9 +728,9 @@ class Registry:
             link.close()
         self.events.close()
         await self.toolsrv.aclose()
-        if self._pool is not None:
+        if self.backends.made is not None:
             with trio.CancelScope(shield=True):
-                await self._pool.aclose()
+                await self.backends.made.aclose()
 
 
 def _set_aside(logs: Path) -> list[Path]:
