@@ -36,10 +36,10 @@ from olliefs.session import checkpoints, persist
 from olliefs.session.catalogue import Backends, Profiles, Tools
 from olliefs.session.commands import split_request
 from olliefs.session.complete import Completer
+from olliefs.session.edits import Edits
 from olliefs.session.session import Session, journal_path
 from olliefs.settings import Paths
 from olliefs.toolclient.spawn import Toolsrv
-from olliewire.checkpoints import Change
 
 if TYPE_CHECKING:
     pass
@@ -126,6 +126,13 @@ class Registry:
         self.known_tools = self.tools.known_tools
         self.tools_idx_text = self.tools.tools_idx_text
         self.tool_script = self.tools.tool_script
+        self.edits = Edits(self.checkpoints_root(), self.profile, self._conflict)
+        self.check_rewind = self.edits.check_rewind
+        self.trim_checkpoints = self.edits.trim_checkpoints
+        self.seal_checkpoints = self.edits.seal_checkpoints
+        self.staged = self.edits.staged
+        self.check_review = self.edits.check_review
+        self.review = self.edits.review
         # Sessions restored, whose tasks are not started yet (during a restore only).
         self._restored: list[Session] | None = None
         self.services = Services(
@@ -180,6 +187,9 @@ class Registry:
         if len(lines) > 1:
             lines.append(f"costTotal=${total:.4f}\n")
         return "".join(lines)
+
+    def _conflict(self, reason: str) -> None:
+        self.last_error = short_reason(reason)
 
     def refused(self, reason: str) -> None:
         """A write outside any session was refused: the reason in the root ``err``, as
@@ -416,93 +426,6 @@ class Registry:
 
     def branches_dir(self, s: Session) -> Path:
         return self.paths.state / "branches" / s.uid
-
-    def check_rewind(self, s: Session, n: int) -> None:
-        """Refuse (Busy, the paths in the reason) a rewind of files something else changed
-        since the session left them."""
-        st = checkpoints.store(self.checkpoints_root(), s.uid)
-        undone = checkpoints.undone_by(st, s.turns() - n + 1)
-        gone = sorted({r.turn for r in undone if r.trimmed})
-        if gone:
-            raise InvalidRequest(
-                f"rewind: the content before turn {gone[-1]} was dropped (checkpointLimit): "
-                "its files cannot be restored (rewind n chat rewinds the conversation only)"
-            )
-        bad = checkpoints.conflicts(st, undone)
-        if bad:
-            reason = (
-                f"session {s.id}: rewind: changed since by something else: "
-                + ", ".join(bad[:20])
-                + (f" (and {len(bad) - 20} more)" if len(bad) > 20 else "")
-                + " (rewind n force to restore them anyway)"
-            )
-            # Another session or the user made the conflict: the root err says it too.
-            self.last_error = short_reason(reason)
-            raise Busy(reason)
-
-    def trim_checkpoints(self, s: Session) -> None:
-        """After each turn or ``!cmd``: the size cap (``checkpointLimit``)."""
-        limit = self.profile(s.cfg.agent).get("checkpointLimit")
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            limit = checkpoints.LIMIT
-        st = checkpoints.store(self.checkpoints_root(), s.uid)
-        try:
-            dropped = checkpoints.trim(st, limit)
-        except OSError as err:
-            log.warning("session %s: checkpoints not trimmed: %s", s.id, err)
-            return
-        for turn in dropped:
-            s.emit(
-                "info",
-                f"checkpoints over checkpointLimit ({limit} bytes): the content before turn "
-                f"{turn}'s edits is dropped; a rewind past it is refused",
-            )
-
-    def seal_checkpoints(self, s: Session) -> None:
-        """The conversation's turns are counted afresh (clear, compaction, agent): no
-        rewind reaches the checkpoints made so far."""
-        try:
-            checkpoints.seal(checkpoints.store(self.checkpoints_root(), s.uid))
-        except OSError as err:
-            log.warning("session %s: checkpoints not sealed: %s", s.id, err)
-
-    def staged(self, s: Session) -> bool:
-        """Whether edits wait for review (``cfg edits=review``)."""
-        rec = checkpoints.staged(checkpoints.store(self.checkpoints_root(), s.uid))
-        return rec is not None and bool(rec.changes)
-
-    def check_review(self, s: Session, verb: str, paths: list[str]) -> list[Change]:
-        """The staged changes ``ctl accept``/``ctl reject`` of ``paths`` would take
-        (InvalidRequest: nothing staged there; Busy: for accept, a path changed on disk
-        since it was staged)."""
-        st = checkpoints.store(self.checkpoints_root(), s.uid)
-        rec = checkpoints.staged(st)
-        if rec is None or not rec.changes:
-            raise InvalidRequest(f"{verb}: no edit is staged")
-        try:
-            chosen = checkpoints.chosen(rec, paths)
-        except ValueError as err:
-            raise InvalidRequest(f"{verb}: {err}") from None
-        bad = checkpoints.accept_conflicts(rec, chosen) if verb == "accept" else []
-        if bad:
-            reason = f"session {s.id}: accept: changed on disk since staged: " + ", ".join(bad)
-            self.last_error = short_reason(reason)
-            raise Busy(reason)
-        return chosen
-
-    async def review(self, s: Session, verb: str, chosen: list[Change]) -> None:
-        """``ctl accept``/``ctl reject``: the staged changes applied (as a checkpoint of
-        the current turn) or dropped."""
-        st = checkpoints.store(self.checkpoints_root(), s.uid)
-        rec = checkpoints.staged(st)
-        if rec is None:
-            return
-        everything = len(chosen) == len(rec.changes)
-        if verb == "accept":
-            await trio.to_thread.run_sync(checkpoints.accept, st, rec, chosen, s.turns())
-        else:
-            await trio.to_thread.run_sync(checkpoints.unstage, st, chosen, everything)
-        s.emit("info", f"{verb}ed {len(chosen)} staged change(s)")
 
     async def rewind(self, s: Session, n: int, what: str = "both") -> None:
         """``ctl rewind``: the last ``n`` turns leave the history at once; what the
