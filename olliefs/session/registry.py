@@ -32,7 +32,7 @@ from olliefs.errors import (
     short_reason,
 )
 from olliefs.live import GrowingLog
-from olliefs.session import checkpoints, persist
+from olliefs.session import checkpoints, persist, views
 from olliefs.session.catalogue import Backends, Profiles, Tools
 from olliefs.session.commands import split_request
 from olliefs.session.complete import Completer
@@ -63,7 +63,7 @@ PROFILE_PARAMS = (
     "toolsrv",
 )
 """Profile keys that are also cfg keys: a new session takes them from its profile."""
-SUB = "__"  # <parent>__<child>: a subagent's session name
+SUB = views.SUB
 RESTORE_STARTS = 32  # restored sessions whose tasks start in one pass of the event loop
 
 
@@ -154,39 +154,16 @@ class Registry:
         # A string: pathlib's ``/`` was a tenth of what restoring a session cost.
         return f"{self._logs}/{uid}.{kind}"
 
-    # ---- families: parents, children, siblings (``<parent>__<child>``) ------------------
+    # ---- the tree's texts over the sessions (``olliefs.session.views``) --------------
 
     def family(self, s: Session) -> list[Session]:
-        """The other sessions of ``s``'s family: its parent, its children, its siblings."""
-        parent = s.id.rpartition(SUB)[0] if SUB in s.id else None
-        out = []
-        for other in self.sessions.values():
-            if other is s:
-                continue
-            up = other.id.rpartition(SUB)[0] if SUB in other.id else None
-            if other.id == parent or up == s.id or (parent is not None and up == parent):
-                out.append(other)
-        return sorted(out, key=lambda o: o.id)
+        return views.family(self.sessions, s)
 
     def children(self, s: Session) -> list[Session]:
-        prefix = s.id + SUB
-        return sorted(
-            (o for o in self.sessions.values() if o.id.startswith(prefix)), key=lambda o: o.id
-        )
+        return views.children(self.sessions, s)
 
     def cost_text(self, s: Session) -> str:
-        """``cost``: the session's own, then one line per subagent (all descendants,
-        their cost included in ``costTotal``)."""
-        totals = s.agent.history.totals
-        lines = [totals.cost_text()]
-        total = totals.session_cost
-        for child in self.children(s):
-            c = child.agent.history.totals.session_cost
-            total += c
-            lines.append(f"child {child.id}=${c:.4f}\n")
-        if len(lines) > 1:
-            lines.append(f"costTotal=${total:.4f}\n")
-        return "".join(lines)
+        return views.cost_text(self.sessions, s)
 
     def _conflict(self, reason: str) -> None:
         self.last_error = short_reason(reason)
@@ -217,7 +194,7 @@ class Registry:
     # ---- texts ----------------------------------------------------------------------
 
     def idx_text(self) -> str:
-        return "".join(self.sessions[k].idx_line() for k in sorted(self.sessions))
+        return views.idx_text(self.sessions)
 
     def backends_text(self) -> str:
         return self.backends.pool.backends_text()
