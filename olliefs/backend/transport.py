@@ -1,9 +1,14 @@
 """A lean HTTP/1.1 transport for httpx, on trio: one body chunk per network read.
 
 httpx stays the client every backend talks to (requests, headers, timeouts, status,
-content decoding, errors); this module replaces only what sits under it, httpcore and h11,
-for the one kind of exchange a model backend makes: an HTTP/1.1 request to a provider,
-whose reply streams for as long as the model writes.
+content decoding, errors), and h11 reads the HTTP/1.1 (the reply's status line, headers,
+framing, chunked coding, keep-alive); this module replaces only httpcore, which sits
+between them, for the one kind of exchange a model backend makes: an HTTP/1.1 request to
+a provider, whose reply streams for as long as the model writes. The request head is
+written here (``request_head``, from the headers httpx prepared and checked): h11's
+writer checks them all again, and measured, that put a tenth on a prompt's way to the
+provider; h11 is then told of the request only what its reading of the reply needs
+(``sent``), after the request is out.
 
 Why. httpcore hands the body up one HTTP chunk at a time, through a chain of async
 generators, and a provider sends every SSE event as a chunk of its own. So 50 deltas
@@ -13,27 +18,31 @@ what the parser read from one chunk) never saw more than one. Worse, a session t
 fallen behind did all that for everything buffered in its socket within one trio step:
 with 200 streaming sessions the steps grew to seconds, and the daemon, busy at 100% of a
 core, delivered 1% of the tokens. Here each network read becomes exactly one body chunk
-(every complete HTTP chunk in it, decoded, joined): the per-token work above the
-transport is paid once per read, a session that falls behind catches up in bigger reads,
-and a token that arrives alone still goes up at once. A request is one ``send_all`` of
-its head and body.
+(everything h11 decodes from it, joined): the per-token work above the transport is paid
+once per read, a session that falls behind catches up in bigger reads, and a token that
+arrives alone still goes up at once. A request is one ``send_all`` of its head and body.
 
 Scope, and what falls back. HTTP/1.1 over TCP or TLS (ALPN ``http/1.1``), keep-alive
-with a pool per origin; bodies framed by ``Content-Length``, chunked coding (extensions
-and trailers read and dropped) or the connection's end; 1xx replies skipped. A backend
-whose URL a proxy setting covers (``HTTP(S)_PROXY``/``ALL_PROXY``, ``NO_PROXY``) gets
-httpx's own transport instead (``transport_for``): proxies are httpcore's business.
+with a pool per origin; bodies framed as h11 reads them (``Content-Length``, chunked
+coding with its extensions and trailers read and dropped, or the connection's end); 1xx
+replies skipped; a reply head (or a chunk-size or trailer line) longer than
+``MAX_HEAD`` is refused. A backend whose URL a proxy setting covers
+(``HTTP(S)_PROXY``/``ALL_PROXY``, ``NO_PROXY``) gets httpx's own transport instead
+(``transport_for``): proxies are httpcore's business.
 
 Errors are httpx's own classes (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
-``ReadError``, ``WriteError``, ``RemoteProtocolError``), so the backends' error mapping
+``ReadError``, ``WriteError``, ``WriteTimeout``, ``RemoteProtocolError`` for what h11
+refuses in a reply or a reply cut short), so the backends' error mapping
 (``stream.transport_error``) reads them as it reads httpcore's.
 
-Connections. A connection goes back to the pool only when its reply was read to the
-end and neither side said ``Connection: close``; it is dropped when idle longer than
-``keepalive_expiry``, and, when taken from the pool, if the socket is readable (the
-server closed it, or sent what nobody asked for), so a request is not written to a
-connection known to be dead. One that the server closes while the request is on its way
-fails the request (``RemoteProtocolError``); the agent retries such errors.
+Connections. A connection goes back to the pool only when h11 says both sides are done
+with the exchange and may go on (neither said ``Connection: close``, the reply was not
+HTTP/1.0 nor framed by the connection's end) and nothing follows the reply; it is
+dropped when idle longer than ``keepalive_expiry``, and, when taken from the pool, if
+the socket is readable (the server closed it, or sent what nobody asked for), so a
+request is not written to a connection known to be dead. One that the server closes
+while the request is on its way fails the request (``RemoteProtocolError``); the agent
+retries such errors.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import time
 import urllib.request
 from collections.abc import AsyncGenerator, Iterator
 
+import h11
 import httpx
 import trio
 
@@ -53,17 +63,25 @@ import trio
 # read costs the same above this module however much it holds), and a 10 MB reply is a
 # few dozen of them.
 RECEIVE_SIZE = 256 * 1024
-MAX_HEAD = 64 * 1024  # status line and headers of one reply
-MAX_LINE = 4096  # a chunk-size line or a trailer line
+# The most h11 holds while it waits for the rest of one piece of framing: the status line
+# and headers of a reply, a chunk-size line, the trailers (h11's own default is 16 KiB).
+MAX_HEAD = 64 * 1024
 KEEPALIVE_SECONDS = 55.0
 MAX_IDLE = 256
 
+# What h11 says of a body cut inside a chunk-size or trailer line, said as it says it of
+# one cut inside a chunk's data (and as httpcore said it).
+INCOMPLETE_CHUNKED = (
+    "peer closed connection without sending complete message body (incomplete chunked read)"
+)
 
-class ProtocolError(Exception):
-    """The peer broke HTTP/1.1 framing (raised as httpx.RemoteProtocolError)."""
+
+# ---- HTTP/1.1 through h11 (pure: no I/O, unit-tested by itself) ----------------------------
 
 
-# ---- framing (pure: no I/O, unit-tested by itself) ------------------------------------------
+def exchange() -> h11.Connection:
+    """The h11 state of one request and its reply."""
+    return h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
 
 
 def request_head(request: httpx.Request, body_length: int | None) -> bytes:
@@ -80,146 +98,80 @@ def request_head(request: httpx.Request, body_length: int | None) -> bytes:
     return b"\r\n".join(lines)
 
 
-class Head:
-    """A parsed status line and header block."""
-
-    __slots__ = ("headers", "http11", "reason", "status")
-
-    def __init__(
-        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], http11: bool
-    ) -> None:
-        self.status = status
-        self.reason = reason
-        self.headers = headers
-        self.http11 = http11
-
-    def values(self, name: bytes) -> list[bytes]:
-        return [v for k, v in self.headers if k.lower() == name]
-
-    def tokens(self, name: bytes) -> list[bytes]:
-        """The comma-separated tokens of every ``name`` header, lowercased."""
-        return [t.strip().lower() for v in self.values(name) for t in v.split(b",") if t.strip()]
+def sent(request: httpx.Request) -> h11.Connection:
+    """The h11 state of an exchange whose request went out (written by ``request_head``:
+    h11's own writer checks every header again, a tenth of a prompt's way to the
+    provider). h11 is told only what its reading of the reply depends on: the method
+    (a reply to HEAD has no body) and whether the request said ``Connection: close``."""
+    h = exchange()
+    headers = [(b"host", request.url.netloc or b"_")]
+    if "close" in [
+        t.strip().lower() for t in request.headers.get_list("connection", split_commas=True)
+    ]:
+        headers.append((b"connection", b"close"))
+    h.send(h11.Request(method=request.method, target=b"/", headers=headers))
+    h.send(h11.EndOfMessage())
+    return h
 
 
-def parse_head(block: bytes) -> Head:
-    """The head of a reply, ``block`` being everything before its blank line."""
-    lines = block.split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or len(parts[0]) != 8:
-        raise ProtocolError(f"bad status line {lines[0][:80]!r}")
-    if not (len(parts[1]) == 3 and parts[1].isdigit()):
-        raise ProtocolError(f"bad status code {parts[1][:10]!r}")
-    headers: list[tuple[bytes, bytes]] = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
-            raise ProtocolError(f"bad header line {line[:80]!r}")
-        headers.append((name, value.strip(b" \t")))
-    return Head(
-        int(parts[1]), parts[2] if len(parts) > 2 else b"", headers, parts[0] == b"HTTP/1.1"
-    )
+def next_head(h: h11.Connection) -> h11.Response | None:
+    """The reply's final head once h11 has all of it (1xx replies skipped); None while
+    it needs more bytes. What follows the head stays in ``h`` for ``body_piece``."""
+    while True:
+        event = h.next_event()
+        if type(event) is h11.Response:
+            return event
+        if event is h11.NEED_DATA:
+            return None
+        if type(event) is not h11.InformationalResponse:
+            raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} before a reply")
 
 
-def body_length(head: Head, method: str) -> int | None:
-    """Bytes of body after ``head``: a number, -1 for chunked, None for "until close"."""
-    if method == "HEAD" or head.status in (204, 304) or 100 <= head.status < 200:
-        return 0
-    codings = head.tokens(b"transfer-encoding")
-    if codings:
-        if codings[-1] != b"chunked":
-            return None  # RFC 9112 6.3: a final coding other than chunked reads to close
-        return -1
-    lengths = {v.strip() for v in head.values(b"content-length")}
-    if not lengths:
-        return None
-    if len(lengths) != 1 or not (n := lengths.pop()).isdigit():
-        raise ProtocolError("bad Content-Length")
-    return int(n)
+def body_piece(h: h11.Connection) -> tuple[bytes, bool]:
+    """Every body byte h11 can decode from what it was given so far, as one ``bytes``,
+    and whether the body ended (trailers are read and dropped).
 
-
-_HEX = b"0123456789abcdefABCDEF"
-
-
-class ChunkedDecoder:
-    """Chunked transfer coding, decoded incrementally: each ``feed`` returns every data
-    byte it completed, as one ``bytes``; ``done`` once the last chunk and trailers are
-    read. Bytes past the end of the body are kept in ``rest``.
-
-    A provider sends each event as a chunk of its own, so a read that holds many is the
-    common case of a stream that fell behind: whole chunks are cut out with one ``find``
-    and two slices each, and only a chunk that a read cut in two takes the slow path.
+    h11 gives one ``Data`` per HTTP chunk (per ``receive_data`` for other framings); a
+    read that holds many chunks, the common case of a stream that fell behind, becomes
+    one piece here. Raises ``h11.RemoteProtocolError`` for broken framing or a body cut
+    short (``receive_data(b"")`` says the connection ended).
     """
+    first: bytes | None = None
+    more: list[bytes] | None = None
+    while True:
+        try:
+            event = h.next_event()
+        except h11.RemoteProtocolError as exc:
+            if h.trailing_data[1] and str(exc) == "peer unexpectedly closed connection":
+                raise h11.RemoteProtocolError(INCOMPLETE_CHUNKED) from exc
+            raise
+        kind = type(event)
+        if kind is h11.Data:
+            data = event.data  # type: ignore[union-attr]
+            if first is None:
+                first = data
+            elif more is None:
+                more = [first, data]
+            else:
+                more.append(data)
+            continue
+        if kind is h11.EndOfMessage:
+            done = True
+        elif event is h11.NEED_DATA:
+            done = False
+        else:
+            raise h11.RemoteProtocolError(f"unexpected {kind.__name__} in a reply's body")
+        if more is not None:
+            return b"".join(more), done
+        return (b"" if first is None else bytes(first)), done
 
-    __slots__ = ("_buf", "_left", "_trailer", "done", "rest")
 
-    def __init__(self) -> None:
-        self._buf = b""  # an unfinished size line, CRLF or trailer line
-        self._left = 0  # data bytes of the current chunk still to come, then its CRLF
-        self._trailer = False  # the last chunk was read: trailer lines until a blank one
-        self.done = False
-        self.rest = b""
-
-    def feed(self, data: bytes) -> bytes:
-        out: list[bytes] = []
-        buf = self._buf + data if self._buf else data
-        pos, end = 0, len(buf)
-        if self._left:  # the rest of a chunk begun in an earlier read, then its CRLF
-            take = min(self._left - 2, end) if self._left > 2 else 0
-            if take > 0:
-                out.append(buf[:take])
-                pos = take
-            self._left -= take
-            if self._left <= 2:
-                tail = buf[pos : pos + self._left]
-                if tail != b"\r\n"[2 - self._left : 2 - self._left + len(tail)]:
-                    raise ProtocolError("chunk not followed by CRLF")
-                pos += len(tail)
-                self._left -= len(tail)
-        while not self._left and pos < end:
-            nl = buf.find(b"\r\n", pos, pos + MAX_LINE + 2)
-            if nl < 0:
-                if end - pos > MAX_LINE:
-                    raise ProtocolError("chunk size line too long")
-                break
-            line = buf[pos:nl]
-            pos = nl + 2
-            if self._trailer:
-                if not line:
-                    self.done = True
-                    self.rest = buf[pos:]
-                    pos = end
-                    break
-                continue
-            if not line or len(line) > 16 or line.translate(None, _HEX):  # not just a size
-                size = line.split(b";", 1)[0].strip(b" \t")
-                if not size or len(size) > 16 or size.translate(None, _HEX):
-                    raise ProtocolError(f"bad chunk size {line[:40]!r}")
-                line = size
-            n = int(line, 16)
-            if n == 0:
-                self._trailer = True
-                continue
-            stop = pos + n
-            if stop + 2 <= end:  # the whole chunk is here
-                if buf[stop : stop + 2] != b"\r\n":
-                    raise ProtocolError("chunk not followed by CRLF")
-                out.append(buf[pos:stop])
-                pos = stop + 2
-                continue
-            take = min(n, end - pos)
-            out.append(buf[pos : pos + take])
-            pos += take
-            self._left = n - take + 2
-            if self._left <= 2:  # the data is here, part of its CRLF too
-                tail = buf[pos:end]
-                if tail != b"\r\n"[: len(tail)]:
-                    raise ProtocolError("chunk not followed by CRLF")
-                pos = end
-                self._left -= len(tail)
-        self._buf = buf[pos:] if pos < end and not self._left else b""
-        if not out:
-            return b""
-        return out[0] if len(out) == 1 else b"".join(out)
+def reusable(h: h11.Connection) -> bool:
+    """Whether the connection may carry another exchange after this one: both sides are
+    done, neither said ``Connection: close`` (nor is HTTP/1.0), the server has not
+    closed it (a body read to the connection's end leaves h11 DONE too), and nothing
+    came after the reply."""
+    return h.our_state is h11.DONE and h.their_state is h11.DONE and h.trailing_data == (b"", False)
 
 
 # ---- connections --------------------------------------------------------------------------
@@ -249,19 +201,16 @@ class _Connection:
     a streamed token cost.) TLS goes through trio's SSLStream.
     """
 
-    __slots__ = ("buf", "expires", "received", "sock", "tls")
+    __slots__ = ("expires", "received", "sock", "tls")
 
     def __init__(self, sock: socket.socket, tls: trio.SSLStream[trio.SocketStream] | None) -> None:
         self.sock = sock
         self.tls = tls
-        self.buf = b""  # received, not consumed yet
         self.expires = 0.0
         self.received = 0  # bytes received in all
 
     def stale(self) -> bool:
         """Closed by the server while idle (or holding bytes nobody asked for)."""
-        if self.buf:
-            return True
         # poll, not select: a daemon with a thousand blocked readers has descriptors
         # past select's limit of 1024.
         poller = select.poll()
@@ -340,10 +289,15 @@ def _mapped(request: httpx.Request, error: type[httpx.TransportError]) -> Iterat
     """Network failures as the httpx error class for this phase of the exchange."""
     try:
         yield
-    except ProtocolError as exc:
-        raise httpx.RemoteProtocolError(str(exc), request=request) from exc
     except _NETWORK as exc:
         raise _network_error(exc, error, request) from exc
+
+
+def _protocol_error(exc: h11.ProtocolError, request: httpx.Request) -> httpx.TransportError:
+    """What h11 refused, as httpx says it: the reply's fault, or the request's."""
+    if isinstance(exc, h11.RemoteProtocolError):
+        return httpx.RemoteProtocolError(str(exc), request=request)
+    return httpx.LocalProtocolError(str(exc), request=request)
 
 
 class LeanTransport(httpx.AsyncBaseTransport):
@@ -445,8 +399,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     raise httpx.WriteTimeout("write timed out", request=request) from None
                 except _NETWORK as exc:
                     raise _network_error(exc, httpx.WriteError, request) from exc
-                head = await _read_head(conn, request)
-                n = body_length(head, request.method)
+                h = sent(request)  # (after the send: nothing of it on the way out)
+                head = await _read_head(conn, h, request)
                 break
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
                 await conn.close()
@@ -460,22 +414,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
             except BaseException:
                 await conn.close()
                 raise
-        reusable = (
-            n is not None
-            and head.http11
-            and b"close" not in head.tokens(b"connection")
-            and "close"
-            not in [
-                t.strip().lower() for t in request.headers.get_list("connection", split_commas=True)
-            ]
-        )
-        stream = _Body(self, origin, conn, request, n, reusable)
         return httpx.Response(
-            head.status,
-            headers=head.headers,
-            stream=stream,
+            head.status_code,
+            headers=head.headers.raw_items(),
+            stream=_Body(self, origin, conn, h, request),
             extensions={
-                "http_version": b"HTTP/1.1" if head.http11 else b"HTTP/1.0",
+                "http_version": b"HTTP/" + head.http_version,
                 "reason_phrase": head.reason,
             },
         )
@@ -496,24 +440,22 @@ async def _receive(conn: _Connection, request: httpx.Request, timeout: float) ->
         raise _network_error(exc, httpx.ReadError, request) from exc
 
 
-async def _read_head(conn: _Connection, request: httpx.Request) -> Head:
-    """The next final (non-1xx) reply head; what follows it stays in ``conn.buf``."""
+async def _read_head(conn: _Connection, h: h11.Connection, request: httpx.Request) -> h11.Response:
+    """The next final (non-1xx) reply head; what follows it stays in ``h``."""
+    timeout = _timeout(request, "read")
     while True:
-        buf = conn.buf
-        while (end := buf.find(b"\r\n\r\n")) < 0:
-            if len(buf) > MAX_HEAD:
-                raise httpx.RemoteProtocolError("reply head too long", request=request)
-            data = await _receive(conn, request, _timeout(request, "read"))
-            if not data:
-                raise httpx.RemoteProtocolError(
-                    "server disconnected without sending a response", request=request
-                )
-            buf += data
-        with _mapped(request, httpx.ReadError):
-            head = parse_head(buf[:end])
-        conn.buf = buf[end + 4 :]
-        if not 100 <= head.status < 200:
+        try:
+            head = next_head(h)
+        except h11.ProtocolError as exc:
+            raise _protocol_error(exc, request) from exc
+        if head is not None:
             return head
+        data = await _receive(conn, request, timeout)
+        if not data:
+            raise httpx.RemoteProtocolError(
+                "server disconnected without sending a response", request=request
+            )
+        h.receive_data(data)
 
 
 async def _request_body(request: httpx.Request) -> tuple[bytes, int | None]:
@@ -538,83 +480,46 @@ class _Body(httpx.AsyncByteStream):
         transport: LeanTransport,
         origin: Origin,
         conn: _Connection,
+        h: h11.Connection,
         request: httpx.Request,
-        length: int | None,
-        reusable: bool,
     ) -> None:
         self._transport = transport
         self._origin = origin
         self._conn: _Connection | None = conn
+        self._h = h
         self._request = request
-        self._length = length
-        self._reusable = reusable
-        self._done = length == 0
+        self._done = False
         self._timeout = _timeout(request, "read")
 
     async def __aiter__(self) -> AsyncGenerator[bytes, None]:
-        conn, request = self._conn, self._request
+        conn, h, request = self._conn, self._h, self._request
         if conn is None or self._done:
             return
-        length = self._length
-        if length == -1:
-            decoder = ChunkedDecoder()
-            data, conn.buf = conn.buf, b""
-            while True:
-                if data:
-                    try:
-                        out = decoder.feed(data)
-                    except ProtocolError as exc:
-                        raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-                    if decoder.done:
-                        conn.buf = decoder.rest
-                        self._done = True
-                        if out:
-                            yield out
-                        return
-                    if out:
-                        yield out
-                data = await _receive(conn, request, self._timeout)
-                if not data:
-                    raise httpx.RemoteProtocolError(
-                        "peer closed connection without sending complete message body "
-                        "(incomplete chunked read)",
-                        request=request,
-                    )
-        elif length is None:  # until the server closes
-            data, conn.buf = conn.buf, b""
-            while True:
-                if data:
-                    yield data
-                data = await _receive(conn, request, self._timeout)
-                if not data:
-                    self._done = True
-                    return
-        else:
-            left = length
-            data, conn.buf = conn.buf, b""
-            while True:
-                if data:
-                    take = data[:left] if len(data) > left else data
-                    left -= len(take)
-                    if left == 0:
-                        conn.buf = data[len(take) :]
-                        self._done = True
-                        yield take
-                        return
-                    yield take
-                data = await _receive(conn, request, self._timeout)
-                if not data:
-                    raise httpx.RemoteProtocolError(
-                        f"peer closed connection without sending complete message body "
-                        f"(received {length - left} of {length} bytes)",
-                        request=request,
-                    )
+        timeout = self._timeout
+        while True:
+            try:
+                piece, done = body_piece(h)  # first what came with the head
+            except h11.ProtocolError as exc:
+                raise _protocol_error(exc, request) from exc
+            if done:
+                self._done = True
+                if piece:
+                    yield piece
+                return
+            if piece:
+                yield piece
+            h.receive_data(await _receive(conn, request, timeout))  # b"": the end
 
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._done and self._reusable and not conn.buf:
+        h = self._h
+        if not self._done:
+            # A body nobody read may be all here already (a 204, a reply to HEAD).
+            with contextlib.suppress(h11.ProtocolError):
+                self._done = body_piece(h)[1]
+        if self._done and reusable(h):
             self._transport._give_back(self._origin, conn)
         else:
             await conn.close()

@@ -1,4 +1,4 @@
-"""The lean transport's HTTP/1.1 framing, as pure functions (no I/O).
+"""The lean transport's HTTP/1.1 framing through h11, as pure functions (no I/O).
 
 The exchange over real sockets is tested in tests/e2e/test_transport.py.
 """
@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import itertools
 
+import h11
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from olliefs.backend.transport import (
-    ChunkedDecoder,
-    ProtocolError,
-    body_length,
-    parse_head,
+    INCOMPLETE_CHUNKED,
+    MAX_HEAD,
+    body_piece,
+    next_head,
     request_head,
+    reusable,
+    sent,
 )
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 def encode(parts: list[bytes], exts: list[bytes], trailers: list[bytes]) -> bytes:
@@ -34,27 +39,25 @@ def cuts(data: bytes, points: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in itertools.pairwise(marks)]
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    parts=st.lists(st.binary(min_size=1, max_size=70), max_size=12),
-    exts=st.lists(st.sampled_from([b"", b";x=1", b'; name="v"', b";a"]), max_size=3),
-    trailers=st.lists(st.sampled_from([b"X-A: 1", b"Server-Timing: t;dur=2"]), max_size=2),
-    points=st.lists(st.integers(0, 10_000), max_size=25),
-    after=st.binary(max_size=10),
-)
-def test_chunked_any_split_gives_the_body(
-    parts: list[bytes], exts: list[bytes], trailers: list[bytes], points: list[int], after: bytes
-) -> None:
-    wire = encode(parts, exts, trailers)
-    pieces = cuts(wire + after, points)
-    d = ChunkedDecoder()
-    got, fed = b"", 0
-    while not d.done:  # an IndexError here: the body never ended
-        got += d.feed(pieces[fed])
+def replied(head: bytes = CHUNKED_HEAD, method: str = "GET") -> h11.Connection:
+    h = sent(httpx.Request(method, "http://h/"))
+    h.receive_data(head)
+    assert next_head(h) is not None
+    return h
+
+
+def read_body(h: h11.Connection, pieces: list[bytes]) -> tuple[list[bytes], int]:
+    """Each piece given as one network read: the body pieces that came out, and how
+    many reads the body took (an IndexError: it never ended)."""
+    out, fed = [], 0
+    while True:
+        piece, done = body_piece(h)
+        if piece:
+            out.append(piece)
+        if done:
+            return out, fed
+        h.receive_data(pieces[fed])
         fed += 1
-    assert got == b"".join(parts)
-    # what followed the body in the same read is kept for the next reply
-    assert d.rest + b"".join(pieces[fed:]) == after
 
 
 ODD = (
@@ -70,18 +73,82 @@ ODD_BODY = b"hello world!0123456789ABCDEFGHIJ"
 
 @pytest.mark.parametrize("at", range(len(ODD) + 1))
 def test_chunked_split_at_every_byte(at: int) -> None:
-    """Odd extensions and trailers, the body cut in two reads at every byte (and then
-    fed a byte a read): the same body, ended, nothing left over for the next reply."""
-    for pieces in ([ODD[:at], ODD[at:]], [ODD[i : i + 1] for i in range(len(ODD))]):
-        d = ChunkedDecoder()
-        got = b"".join(d.feed(p) for p in pieces if p)
-        assert got == ODD_BODY and d.done and d.rest == b""
+    """Odd extensions and trailers, the reply cut in two reads at every byte: the same
+    body, ended, and nothing left over to spoil the next reply on the connection."""
+    h = replied()
+    out, _ = read_body(h, [ODD[:at], ODD[at:]] if at else [ODD])
+    assert b"".join(out) == ODD_BODY and reusable(h)
 
 
-def test_chunked_one_read_of_many_chunks_is_one_piece() -> None:
-    wire = encode([b"tok|"] * 500, [], [])
-    d = ChunkedDecoder()
-    assert d.feed(wire) == b"tok|" * 500 and d.done
+def test_chunked_one_byte_a_read() -> None:
+    h = replied()
+    out, fed = read_body(h, [ODD[i : i + 1] for i in range(len(ODD))])
+    assert b"".join(out) == ODD_BODY and fed == len(ODD)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.binary(min_size=1, max_size=70), max_size=12),
+    exts=st.lists(st.sampled_from([b"", b";x=1", b'; name="v"', b";a"]), max_size=3),
+    trailers=st.lists(st.sampled_from([b"X-A: 1", b"Server-Timing: t;dur=2"]), max_size=2),
+    points=st.lists(st.integers(0, 10_000), max_size=25),
+    after=st.binary(max_size=10),
+)
+def test_chunked_any_split_gives_the_body(
+    parts: list[bytes], exts: list[bytes], trailers: list[bytes], points: list[int], after: bytes
+) -> None:
+    wire = encode(parts, exts, trailers)
+    pieces = cuts(wire + after, points)
+    h = replied()
+    out, fed = read_body(h, pieces)
+    assert b"".join(out) == b"".join(parts)
+    # what followed the body in the same read stays in h11: the connection is not reused
+    assert h.trailing_data[0] + b"".join(pieces[fed:]) == after
+    assert reusable(h) == (not h.trailing_data[0])
+
+
+def test_one_read_of_many_chunks_is_one_piece() -> None:
+    h = replied()
+    h.receive_data(encode([b"tok|"] * 500, [], []))
+    assert body_piece(h) == (b"tok|" * 500, True)
+
+
+def test_what_came_with_the_head_is_the_first_piece() -> None:
+    h = sent(httpx.Request("GET", "http://h/"))
+    h.receive_data(CHUNKED_HEAD + b"3\r\nabc\r\n2\r\nde")
+    head = next_head(h)
+    assert head is not None and head.status_code == 200
+    assert body_piece(h) == (b"abcde", False)
+    assert body_piece(h) == (b"", False)  # nothing new: nothing out
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"5\r\nhel",  # inside a chunk's data
+        b"5\r\nhello",  # before the CRLF after it
+        b"5\r\nhello\r",
+        b"5\r\nhello\r\n",  # before the next size line
+        b"5\r\nhello\r\n1",  # inside the size line
+        b"5\r\nhello\r\n1;ext=",  # inside an extension
+        b"5\r\nhello\r\n0\r\n",  # after the last chunk, before the end of the trailers
+        b"5\r\nhello\r\n0\r\nX-Trailer: t",  # inside a trailer
+    ],
+)
+def test_chunked_cut_short_is_a_clear_error(wire: bytes) -> None:
+    """The connection ends (``b""``) anywhere before the end of a chunked body: the
+    same clear error, wherever the cut fell, after the data that did come."""
+    h = replied()
+    h.receive_data(wire)
+    piece, done = body_piece(h)
+    assert not done and (piece == b"hello" or b"hello".startswith(piece))
+    h.receive_data(b"")
+    with pytest.raises(h11.RemoteProtocolError, match=r"^peer closed connection without sending"):
+        body_piece(h)
+
+
+def test_incomplete_chunked_is_httpcores_text() -> None:
+    assert INCOMPLETE_CHUNKED.endswith("(incomplete chunked read)")
 
 
 @pytest.mark.parametrize(
@@ -91,26 +158,75 @@ def test_chunked_one_read_of_many_chunks_is_one_piece() -> None:
         b"0x2\r\nab\r\n",  # int() would take it
         b"+2\r\nab\r\n",
         b"2\r\nabXY",  # data not followed by CRLF
-        b"1" * 17 + b"\r\n",  # more than 64 bits of size
-        b"2" + b";" * 5000,  # a size line that never ends
+        b"1" * 21 + b"\r\n",  # a size of more than 20 hex digits
+        b"2" + b";" * (MAX_HEAD + 10),  # a size line that never ends
+        b"0\r\nbroken trailer\r\n\r\n",
     ],
 )
 def test_chunked_refuses_bad_framing(wire: bytes) -> None:
-    d = ChunkedDecoder()
-    with pytest.raises(ProtocolError):
+    h = replied()
+    with pytest.raises(h11.RemoteProtocolError):
         for i in range(0, len(wire), 3):  # split too: the checks hold across reads
-            d.feed(wire[i : i + 3])
+            h.receive_data(wire[i : i + 3])
+            body_piece(h)
 
 
-def test_head_parsed() -> None:
-    h = parse_head(
-        b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 3\r\nX-A:b"
-        b"\r\nConnection: keep-alive, Close"
+def test_content_length_and_until_close() -> None:
+    h = replied(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\nhello")
+    assert body_piece(h) == (b"hello", False)
+    h.receive_data(b" world!")
+    assert body_piece(h) == (b" world!", True)
+    assert reusable(h)
+    h = replied(b"HTTP/1.1 200 OK\r\n\r\nuntil")
+    assert body_piece(h) == (b"until", False)
+    h.receive_data(b" close")
+    assert body_piece(h) == (b" close", False)
+    h.receive_data(b"")
+    assert body_piece(h) == (b"", True)
+    assert not reusable(h)  # h11 says DONE: the connection's end is what tells
+    h = replied(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+    body_piece(h)
+    h.receive_data(b"")
+    with pytest.raises(h11.RemoteProtocolError, match="received 5 bytes, expected 10"):
+        body_piece(h)
+
+
+@pytest.mark.parametrize(
+    ("head", "method"),
+    [
+        (b"HTTP/1.1 204 No Content\r\nContent-Length: 9\r\n\r\n", "POST"),
+        (b"HTTP/1.1 304 Not Modified\r\n\r\n", "GET"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n", "HEAD"),
+    ],
+)
+def test_replies_without_a_body(head: bytes, method: str) -> None:
+    h = replied(head, method)
+    assert body_piece(h) == (b"", True)
+
+
+def test_head_parsed_and_1xx_skipped() -> None:
+    h = sent(httpx.Request("GET", "http://h/"))
+    h.receive_data(
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 429 Too Many Requests\r\nRetry-After: 3\r\n"
+        b"X-A:b\r\nConnection: keep-alive, Close\r\n\r\n"
     )
-    assert (h.status, h.reason, h.http11) == (429, b"Too Many Requests", True)
-    assert h.values(b"retry-after") == [b"3"] and h.values(b"x-a") == [b"b"]
-    assert h.tokens(b"connection") == [b"keep-alive", b"close"]
-    assert parse_head(b"HTTP/1.0 200").http11 is False
+    head = next_head(h)
+    assert head is not None
+    assert (head.status_code, head.reason, head.http_version) == (429, b"Too Many Requests", b"1.1")
+    assert head.headers.raw_items() == [
+        (b"Retry-After", b"3"),
+        (b"X-A", b"b"),
+        (b"Connection", b"keep-alive, Close"),
+    ]
+
+
+def test_head_waits_for_its_end_and_has_a_limit() -> None:
+    h = sent(httpx.Request("GET", "http://h/"))
+    h.receive_data(b"HTTP/1.1 200 OK\r\nX: y\r\n")
+    assert next_head(h) is None
+    h.receive_data(b"X-Long: " + b"a" * MAX_HEAD)
+    with pytest.raises(h11.RemoteProtocolError):
+        next_head(h)
 
 
 @pytest.mark.parametrize(
@@ -120,45 +236,18 @@ def test_head_parsed() -> None:
         b"ICY 200 OK",
         b"HTTP/1.1 20 OK",
         b"HTTP/1.1 2000 OK",
-        b"HTTP/1.1 200 OK\r\n folded: continuation",
         b"HTTP/1.1 200 OK\r\nno colon here",
         b"HTTP/1.1 200 OK\r\nName : space before colon",
-    ],
-)
-def test_head_refused(head: bytes) -> None:
-    with pytest.raises(ProtocolError):
-        parse_head(head)
-
-
-@pytest.mark.parametrize(
-    ("head", "method", "want"),
-    [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 12", "POST", 12),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked", "POST", -1),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 5", "POST", -1),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip", "POST", None),
-        (b"HTTP/1.1 200 OK", "GET", None),
-        (b"HTTP/1.1 204 No Content\r\nContent-Length: 9", "POST", 0),
-        (b"HTTP/1.1 304 Not Modified", "GET", 0),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 7", "HEAD", 0),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nContent-Length: 4", "GET", 4),
-    ],
-)
-def test_body_length(head: bytes, method: str, want: int | None) -> None:
-    assert body_length(parse_head(head), method) == want
-
-
-@pytest.mark.parametrize(
-    "head",
-    [
         b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nContent-Length: 5",
         b"HTTP/1.1 200 OK\r\nContent-Length: -1",
         b"HTTP/1.1 200 OK\r\nContent-Length: 0x10",
     ],
 )
-def test_bad_content_length(head: bytes) -> None:
-    with pytest.raises(ProtocolError):
-        body_length(parse_head(head), "GET")
+def test_head_refused(head: bytes) -> None:
+    h = sent(httpx.Request("GET", "http://h/"))
+    h.receive_data(head + b"\r\n\r\n")
+    with pytest.raises(h11.RemoteProtocolError):
+        next_head(h)
 
 
 def test_request_head() -> None:
@@ -169,3 +258,20 @@ def test_request_head() -> None:
     assert head.endswith(b"\r\n\r\n") and head.count(b"Content-Length") == 1
     # a body of unknown length goes chunked
     assert b"Transfer-Encoding: chunked" in request_head(httpx.Request("POST", "http://h/"), None)
+
+
+@pytest.mark.parametrize(
+    ("reply", "request_headers", "kept"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", {}, True),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", {}, False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n", {}, False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", {"Connection": "close"}, False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nHTTP/1.1 200", {}, False),  # unasked
+    ],
+)
+def test_reuse_rules(reply: bytes, request_headers: dict[str, str], kept: bool) -> None:
+    h = sent(httpx.Request("GET", "http://h/", headers=request_headers))
+    h.receive_data(reply)
+    assert next_head(h) is not None and body_piece(h) == (b"", True)
+    assert reusable(h) is kept
