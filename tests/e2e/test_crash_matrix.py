@@ -44,7 +44,7 @@ import pytest
 
 from olliefs.replay import Entry
 from olliefs.session import persist
-from olliefs.testing import deadline
+from olliefs.testing import deadline, expect_log
 from tests.conftest import Daemon, script
 from tests.e2e.test_tools import call, calls, reply, toolsrv_pids
 
@@ -638,7 +638,7 @@ def test_toolsrv_killed(daemon_factory: Callable[..., Daemon], point: str) -> No
     d.prompt(sid, "warm")  # toolsrv up, the tools loaded, a proc slot made ahead
     d.wait_idle(sid)
     (server,) = toolsrv_pids(d)
-    d.allowed_errors.append("toolsrv")  # its death is logged as a warning
+    expect_log(r"toolsrv \(pid \d+\) exited with -9; respawned on next use")
     pidfile = d.work / "pid"
     asked = len(d.replay.requests)
     d.prompt(sid, "go")
