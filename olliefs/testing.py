@@ -14,9 +14,9 @@ through ``check_log_files``, when they stop). A declaration says which records t
     from olliefs.testing import expect_log
 
     def test_x(daemon):
-        expect_log(r"olliefs\.toolclient: toolsrv .* died", count=1)  # the rest of the test
+        expect_log(r"olliefs\.toolclient\.spawn: toolsrv .* exited")  # the rest of the test
         ...
-        with expect_log("cannot parse", level=logging.ERROR):  # and seen by the block's end
+        with expect_log("cannot parse", level=logging.ERROR):  # only within the block
             ...
 
     @pytest.mark.expect_log(r"HTTP 5\d\d", count=None)  # the same, for the whole test
@@ -24,10 +24,14 @@ through ``check_log_files``, when they stop). A declaration says which records t
 
 ``pattern`` is a regular expression searched in ``"<logger name>: <message>"`` (with any
 traceback after it), ``level`` must be the record's level exactly (WARNING unless said),
-``count`` is how many such records the test must produce in all (default 1; None: one or
-more). A declaration the test never meets fails it too, so declarations cannot outlive the
-warning they were written for. Never declare a broad pattern to quiet a log: a warning
-nobody expected is a bug to fix, or a behaviour to name in the test that causes it.
+``count`` is how many such records the test must produce (default 1; None: one or more).
+A declaration made with ``with`` covers the records logged (or, for a subprocess, checked)
+within its block, and its count is checked at the block's end; a daemon's or toolsrv's log
+is checked when it stops, so declare its records with a plain call (for the rest of the
+test), or in a block that stops it. A declaration the test never meets fails it too, so
+declarations cannot outlive the warning they were written for. Never declare a broad
+pattern to quiet a log: a warning nobody expected is a bug to fix, or a behaviour to name
+in the test that causes it.
 """
 
 from __future__ import annotations
@@ -212,9 +216,14 @@ class ExpectedLog:
         self.level = level
         self.count = count
         self.seen = 0
+        self.closed = False  # its block ended: it takes no more records
 
     def matches(self, r: LogRecordText) -> bool:
-        return r.level == self.level and self.regex.search(f"{r.name}: {r.text}") is not None
+        return (
+            not self.closed
+            and r.level == self.level
+            and self.regex.search(f"{r.name}: {r.text}") is not None
+        )
 
     def problem(self) -> str | None:
         """What is wrong with what was seen (None: as declared)."""
@@ -230,6 +239,7 @@ class ExpectedLog:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.closed = True
         if exc_type is None and (problem := self.problem()) is not None:
             raise AssertionError(problem)
 

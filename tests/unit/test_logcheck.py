@@ -124,6 +124,11 @@ def test_block_ends_before_the_record():
         pass
     log.warning("boom")
 
+def test_block_takes_no_record_after_it():
+    with expect_log("boom", count=None):
+        log.warning("boom")
+    log.warning("boom")
+
 def test_block():
     with expect_log("boom"):
         log.warning("boom")
@@ -158,6 +163,7 @@ def test_the_fixture_fails_undeclared_and_unmet(tmp_path: Path) -> None:
         "test_wrong_level": {"PASSED", "ERROR"},
         "test_marker": {"PASSED"},
         "test_block_ends_before_the_record": {"FAILED"},
+        "test_block_takes_no_record_after_it": {"PASSED", "ERROR"},
         "test_block": {"PASSED"},
         "test_failed_test_is_not_blamed_for_unmet_declarations": {"FAILED"},
     }, r.stdout
