@@ -9,7 +9,9 @@ Logs (the s3ql habit, one rule for every log a test produces): a log record at W
 above fails the test unless the test declared it. That holds for the test process's own
 ``logging`` (checked by the autouse fixture in ``tests/conftest.py``), and for the logs of
 the daemons and toolsrvs it ran (``Daemon.check_log`` and ``ToolsrvProc.check_log``, both
-through ``check_log_files``, when they stop). A declaration says which records to expect::
+through ``check_log_files``, when they stop; a fixture wider than a test wraps its daemon
+in ``logs_checked()``, whose declarations are its own). A declaration says which records
+to expect::
 
     from olliefs.testing import expect_log
 
@@ -24,7 +26,9 @@ through ``check_log_files``, when they stop). A declaration says which records t
 
 ``pattern`` is a regular expression searched in ``"<logger name>: <message>"`` (with any
 traceback after it), ``level`` must be the record's level exactly (WARNING unless said),
-``count`` is how many such records the test must produce (default 1; None: one or more).
+``count`` is how many such records the test must produce (default 1; None: one or more;
+a ``range``: as many as it holds, for a fuzzer whose drawn inputs decide, never to be
+lenient with a test that could know).
 A declaration made with ``with`` covers the records logged (or, for a subprocess, checked)
 within its block, and its count is checked at the block's end; a daemon's or toolsrv's log
 is checked when it stops, so declare its records with a plain call (for the rest of the
@@ -211,7 +215,7 @@ class ExpectedLog:
     """One declaration of ``expect_log``; also a context manager that checks, at the end
     of its block, that the records it expects were already all seen."""
 
-    def __init__(self, pattern: str, level: int, count: int | None) -> None:
+    def __init__(self, pattern: str, level: int, count: int | range | None) -> None:
         self.regex = re.compile(pattern)
         self.level = level
         self.count = count
@@ -227,9 +231,18 @@ class ExpectedLog:
 
     def problem(self) -> str | None:
         """What is wrong with what was seen (None: as declared)."""
-        if self.seen == self.count or (self.count is None and self.seen > 0):
+        if self.count is None:
+            if self.seen > 0:
+                return None
+            want = "one or more"
+        elif isinstance(self.count, range):
+            if self.seen in self.count:
+                return None
+            want = f"{self.count.start} to {self.count.stop - 1}"
+        elif self.seen == self.count:
             return None
-        want = "one or more" if self.count is None else str(self.count)
+        else:
+            want = str(self.count)
         return (
             f"expected {want} log record(s) at {logging.getLevelName(self.level)}"
             f" matching {self.regex.pattern!r}, saw {self.seen}"
@@ -254,7 +267,7 @@ class LogCheck:
         self.lock = threading.Lock()  # records come from worker threads too
 
     def expect(
-        self, pattern: str, level: int = logging.WARNING, count: int | None = 1
+        self, pattern: str, level: int = logging.WARNING, count: int | range | None = 1
     ) -> ExpectedLog:
         e = ExpectedLog(pattern, level, count)
         with self.lock:
@@ -327,7 +340,19 @@ def checking_logs() -> Iterator[LogCheck]:
         _log_check = outer
 
 
-def expect_log(pattern: str, level: int = logging.WARNING, count: int | None = 1) -> ExpectedLog:
+@contextmanager
+def logs_checked() -> Iterator[LogCheck]:
+    """``checking_logs``, judged at the block's end: for a fixture wider than a test (a
+    module's daemon), whose logs are checked after the tests' own checks ended."""
+    with checking_logs() as check:
+        yield check
+    problems = check.unexpected_records() + check.unmet()
+    assert not problems, "\n".join(problems)
+
+
+def expect_log(
+    pattern: str, level: int = logging.WARNING, count: int | range | None = 1
+) -> ExpectedLog:
     """Declare, for the rest of the current test, ``count`` log records at ``level`` whose
     ``"<logger>: <message>"`` matches ``pattern`` (see the module docstring)."""
     return _log_check.expect(pattern, level, count)
