@@ -45,7 +45,7 @@ from olliefs.replay import Entry
 from olliefs.session import persist
 from olliefs.testing import deadline, expect_log
 from tests.conftest import Daemon, script
-from tests.e2e.test_tools import call, calls, reply, toolsrv_pids
+from tests.e2e.test_tools import call, calls, expect_toolsrv_killed, reply, toolsrv_pids
 
 DAEMON_POINTS = [
     "mid-stream",
@@ -636,7 +636,7 @@ def test_toolsrv_killed(daemon_factory: Callable[..., Daemon], point: str) -> No
     d.prompt(sid, "warm")  # toolsrv up, the tools loaded, a proc slot made ahead
     d.wait_idle(sid)
     (server,) = toolsrv_pids(d)
-    expect_log(r"toolsrv \(pid \d+\) exited with -9; respawned on next use")
+    expect_toolsrv_killed()
     pidfile = d.work / "pid"
     asked = len(d.replay.requests)
     d.prompt(sid, "go")
