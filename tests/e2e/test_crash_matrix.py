@@ -546,6 +546,9 @@ def test_torn_journal_at_every_offset(d: Daemon, tmp_path: Path) -> None:
             body = data[ends[0] : cut] if k else b""
             first = msgspec.json.encode(head) + b"\n" if k else data[:cut]
             (sessions / f"{uid}.jsonl").write_bytes(first + body)
+    # Each torn copy is cut back to its last whole record; a create without one goes.
+    expect_log(r"persist: \S+-torn\.jsonl: torn last record \(\d+ bytes\) cut", count=len(sample))
+    expect_log(r"registry: \S+-create-t(orn|cut)\.jsonl: create cut by a crash; removed", count=2)
     restart(d)
     for name, k in sample.items():
         if k == 0:  # a create that never completed: no session, and its file is gone
@@ -566,6 +569,9 @@ def test_torn_create_or_empty_journal(d: Daemon) -> None:
     d.stop()
     (sessions / "1-aaaaaa.jsonl").write_bytes(b"")
     (sessions / "2-bbbbbb.jsonl").write_bytes(b'{"type":"create","uid":"2-bbbbbb","id":"ha')
+    expect_log(r"persist: \S+/2-bbbbbb\.jsonl: torn last record \(42 bytes\) cut")
+    expect_log(r"registry: \S+/1-aaaaaa\.jsonl: create cut by a crash; removed")
+    expect_log(r"registry: \S+/2-bbbbbb\.jsonl: create cut by a crash; removed")
     restart(d)
     assert sorted(os.listdir(d.p("s"))) == ["idx", "new"]
     assert list(sessions.iterdir()) == []
