@@ -1,22 +1,57 @@
-"""Test and benchmark harness: a real olliefs daemon in a subprocess, on a private home.
+r"""Test and benchmark harness: a real olliefs daemon in a subprocess, on a private home.
 
 Used by the test-suite (``tests/conftest.py``) and by ``bench/``. The daemon always runs
 in a subprocess: a process must never touch a FUSE mount from the thread that serves it,
 and a subprocess is also what a user runs. Callers talk to the mount with plain file
 operations, exactly as a shell would.
+
+Logs (the s3ql habit, one rule for every log a test produces): a log record at WARNING or
+above fails the test unless the test declared it. That holds for the test process's own
+``logging`` (checked by the autouse fixture in ``tests/conftest.py``), and for the logs of
+the daemons and toolsrvs it ran (``Daemon.check_log`` and ``ToolsrvProc.check_log``, both
+through ``check_log_files``, when they stop; a fixture wider than a test wraps its daemon
+in ``logs_checked()``, whose declarations are its own). A declaration says which records
+to expect::
+
+    from olliefs.testing import expect_log
+
+    def test_x(daemon):
+        expect_log(r"olliefs\.toolclient\.spawn: toolsrv .* exited")  # the rest of the test
+        ...
+        with expect_log("cannot parse", level=logging.ERROR):  # only within the block
+            ...
+
+    @pytest.mark.expect_log(r"HTTP 5\d\d", count=None)  # the same, for the whole test
+    def test_y(daemon): ...
+
+``pattern`` is a regular expression searched in ``"<logger name>: <message>"`` (with any
+traceback after it), ``level`` must be the record's level exactly (WARNING unless said),
+``count`` is how many such records the test must produce (default 1; None: one or more;
+a ``range``: as many as it holds, for a fuzzer whose drawn inputs decide, never to be
+lenient with a test that could know).
+A declaration made with ``with`` covers the records logged (or, for a subprocess, checked)
+within its block, and its count is checked at the block's end; a daemon's or toolsrv's log
+is checked when it stops, so declare its records with a plain call (for the rest of the
+test), or in a block that stops it. A declaration the test never meets fails it too, so
+declarations cannot outlive the warning they were written for. Never declare a broad
+pattern to quiet a log: a warning nobody expected is a bug to fix, or a behaviour to name
+in the test that causes it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import re
 import secrets
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -125,6 +160,212 @@ async def await_until(
     )
 
 
+# ---- logs ---------------------------------------------------------------------------
+
+# A record's first line, as olliefs (cli._setup_logging) and toolsrv (__main__) write it:
+# "<asctime> [toolsrv ]<LEVEL> <logger>: <message>". Other lines continue the record above.
+LOG_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:toolsrv )?"
+    r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+): (.*)"
+)
+# What Python itself prints on stderr when something escaped every handler: such a record
+# counts as an ERROR whatever level the line above it had.
+CRASH_MARKS = ("Traceback (most recent call last):", "Exception ignored in", "Exception in thread")
+
+
+class LogRecordText:
+    """One log record: of the test process, or read back from a subprocess's log."""
+
+    __slots__ = ("level", "name", "source", "text")
+
+    def __init__(self, source: str, level: int, name: str, text: str) -> None:
+        self.source = source  # "test process" or the log file's path
+        self.level = level
+        self.name = name  # the logger's ("output": a line no logger wrote)
+        self.text = text  # the message, and the traceback or lines that followed it
+
+    def __str__(self) -> str:
+        return f"{self.source}: {logging.getLevelName(self.level)} {self.name}: {self.text}"
+
+
+def parse_log(text: str, source: str) -> list[LogRecordText]:
+    """The records of a log as written by olliefs or toolsrv. Lines before the first
+    record are output no logger wrote (a print, a C library): a WARNING each, since
+    nothing healthy prints there. A record followed by a traceback is an ERROR at least."""
+    out: list[LogRecordText] = []
+    cur: LogRecordText | None = None
+    for line in text.splitlines():
+        m = LOG_LINE.fullmatch(line)
+        if m:
+            level = logging.getLevelNamesMapping()[m[1]]
+            cur = LogRecordText(source, level, m[2], m[3])
+            out.append(cur)
+        elif cur is None:
+            if line.strip():
+                out.append(LogRecordText(source, logging.WARNING, "output", line))
+        else:
+            cur.text += "\n" + line
+    for r in out:
+        if any(mark in r.text for mark in CRASH_MARKS):
+            r.level = max(r.level, logging.ERROR)
+    return out
+
+
+class ExpectedLog:
+    """One declaration of ``expect_log``; also a context manager that checks, at the end
+    of its block, that the records it expects were already all seen."""
+
+    def __init__(self, pattern: str, level: int, count: int | range | None) -> None:
+        self.regex = re.compile(pattern)
+        self.level = level
+        self.count = count
+        self.seen = 0
+        self.closed = False  # its block ended: it takes no more records
+
+    def matches(self, r: LogRecordText) -> bool:
+        return (
+            not self.closed
+            and r.level == self.level
+            and self.regex.search(f"{r.name}: {r.text}") is not None
+        )
+
+    def problem(self) -> str | None:
+        """What is wrong with what was seen (None: as declared)."""
+        if self.count is None:
+            if self.seen > 0:
+                return None
+            want = "one or more"
+        elif isinstance(self.count, range):
+            if self.seen in self.count:
+                return None
+            want = f"{self.count.start} to {self.count.stop - 1}"
+        elif self.seen == self.count:
+            return None
+        else:
+            want = str(self.count)
+        return (
+            f"expected {want} log record(s) at {logging.getLevelName(self.level)}"
+            f" matching {self.regex.pattern!r}, saw {self.seen}"
+        )
+
+    def __enter__(self) -> ExpectedLog:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.closed = True
+        if exc_type is None and (problem := self.problem()) is not None:
+            raise AssertionError(problem)
+
+
+class LogCheck:
+    """What one test declared and what it logged; outside a test (bench/), the process's."""
+
+    def __init__(self) -> None:
+        self.expected: list[ExpectedLog] = []
+        self.unexpected: list[LogRecordText] = []  # the test process's own records
+        self.read_upto: dict[Path, int] = {}  # how far each subprocess log was checked
+        self.lock = threading.Lock()  # records come from worker threads too
+
+    def expect(
+        self, pattern: str, level: int = logging.WARNING, count: int | range | None = 1
+    ) -> ExpectedLog:
+        e = ExpectedLog(pattern, level, count)
+        with self.lock:
+            self.expected.append(e)
+        return e
+
+    def claim(self, r: LogRecordText) -> bool:
+        """Whether ``r`` may be logged: below WARNING, or declared (then it is counted)."""
+        if r.level < logging.WARNING:
+            return True
+        with self.lock:
+            for e in self.expected:
+                if e.matches(r):
+                    e.seen += 1
+                    return True
+        return False
+
+    def read_new(self, path: Path) -> list[LogRecordText]:
+        """The records ``path`` gained since the last look (a home's logs outlive a daemon
+        restart, and several daemons of a test share one)."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.read_upto.get(path, 0))
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.read_upto[path] = self.read_upto.get(path, 0) + len(data)
+        return parse_log(data.decode(errors="replace"), str(path))
+
+    def unexpected_records(self) -> list[str]:
+        return [f"unexpected log record: {r}" for r in self.unexpected]
+
+    def unmet(self) -> list[str]:
+        return [p for e in self.expected if (p := e.problem()) is not None]
+
+
+class _ToCurrentCheck(logging.Handler):
+    """The test process's records at WARNING or above, judged by the current check."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        r = LogRecordText("test process", record.levelno, record.name, text)
+        check = _log_check
+        if not check.claim(r):
+            with check.lock:
+                check.unexpected.append(r)
+
+
+_log_check = LogCheck()  # outside checking_logs: the process's (bench/)
+_handler = _ToCurrentCheck(logging.WARNING)
+
+
+@contextmanager
+def checking_logs() -> Iterator[LogCheck]:
+    """A fresh ``LogCheck`` for the block (one test), fed with every record the process
+    logs at WARNING or above. The caller judges it after the block."""
+    global _log_check
+    outer, _log_check = _log_check, LogCheck()
+    root = logging.getLogger()
+    added = _handler not in root.handlers  # a nested block feeds only its own check
+    if added:
+        root.addHandler(_handler)
+    try:
+        yield _log_check
+    finally:
+        if added:
+            root.removeHandler(_handler)
+        _log_check = outer
+
+
+@contextmanager
+def logs_checked() -> Iterator[LogCheck]:
+    """``checking_logs``, judged at the block's end: for a fixture wider than a test (a
+    module's daemon), whose logs are checked after the tests' own checks ended."""
+    with checking_logs() as check:
+        yield check
+    problems = check.unexpected_records() + check.unmet()
+    assert not problems, "\n".join(problems)
+
+
+def expect_log(
+    pattern: str, level: int = logging.WARNING, count: int | range | None = 1
+) -> ExpectedLog:
+    """Declare, for the rest of the current test, ``count`` log records at ``level`` whose
+    ``"<logger>: <message>"`` matches ``pattern`` (see the module docstring)."""
+    return _log_check.expect(pattern, level, count)
+
+
+def check_log_files(*paths: Path) -> None:
+    """The one rule for subprocesses' logs (a daemon's, a toolsrv's): what they gained
+    since the last check holds no record at WARNING or above that the test did not
+    declare. AssertionError listing those that were not."""
+    bad = [r for p in paths for r in _log_check.read_new(p) if not _log_check.claim(r)]
+    assert not bad, "unexpected log records:\n" + "\n".join(map(str, bad))
+
+
 class Daemon:
     """An olliefs daemon on a private OLLIE_HOME, mounted at ``path``."""
 
@@ -151,12 +392,14 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.python = sys.executable  # the environment the daemon runs in
         self.mount_args: list[str] = []  # more ``ollie mount`` flags (``--9p unix:...``)
-        self.log_seen = 0
-        self.allowed_errors: list[str] = []
 
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.mounted():  # the dead mount ``crash`` left: ``ollie mount`` clears it, and says so
+            expect_log(
+                f"^output: ollie: cleared a stale mount left at {re.escape(str(self.path))} "
+            )
         stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(
             [self.python, "-m", "olliefs", "mount", "-f", *self.mount_args, str(self.path)],
@@ -201,7 +444,7 @@ class Daemon:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Daemon]:
-        """Started for the block, stopped after it; then its log must hold no error."""
+        """Started for the block, stopped after it; then its logs are checked."""
         self.start()
         try:
             yield self
@@ -224,18 +467,9 @@ class Daemon:
         return self.stderr_path.read_text(errors="replace")
 
     def check_log(self) -> None:
-        """No ERROR or traceback in the daemon's log, nor in the toolsrv it spawned."""
-        try:
-            tlog = (self.home / "state" / "toolsrv.log").read_text(errors="replace")
-        except FileNotFoundError:
-            tlog = ""
-        bad = [
-            line
-            for line in self.stderr().splitlines() + tlog.splitlines()
-            if (" ERROR " in line or "Traceback" in line)
-            and not any(a in line for a in self.allowed_errors)
-        ]
-        assert not bad, "daemon or toolsrv logged errors:\n" + "\n".join(bad)
+        """The daemon's log and the log of the toolsrv it spawned hold no undeclared
+        WARNING or worse (``check_log_files``)."""
+        check_log_files(self.stderr_path, self.home / "state" / "toolsrv.log")
 
     # ---- file helpers ---------------------------------------------------------------
 
@@ -438,12 +672,8 @@ class ToolsrvProc:
             self.proc = None
 
     def check_log(self) -> None:
-        bad = [
-            line
-            for line in self.log().splitlines()
-            if " ERROR " in line or " CRITICAL " in line or "Traceback" in line
-        ]
-        assert not bad, "toolsrv logged errors:\n" + "\n".join(bad)
+        """Its log holds no undeclared WARNING or worse (``check_log_files``)."""
+        check_log_files(self.log_path)
 
     @asynccontextmanager
     async def agent(self, agent_id: str, *tools: str) -> AsyncIterator[ToolsrvConn]:

@@ -4,19 +4,60 @@ The daemon always runs in a subprocess: the test process must never touch a FUSE
 from the thread that serves it, and a subprocess is also what a user runs. Tests talk to
 the mount with plain file operations, exactly as a shell would.
 
-A test fails if the daemon logged an unexpected ERROR or a traceback (the s3ql habit):
-client mistakes are answered with errnos and must not look like daemon failures.
+Logs (the s3ql habit): every test runs under ``checked_logs``, and fails on any log record
+at WARNING or above that it did not declare with ``olliefs.testing.expect_log`` (a call, a
+``with`` block, or ``@pytest.mark.expect_log(pattern, level=..., count=...)``), whether the
+record came from the test process's ``logging``, a daemon's log or a toolsrv's log (those
+are read when the daemon or toolsrv stops). A declaration the test does not meet fails it
+as well. Why one rule for all: a warning is the daemon saying something went wrong; client
+mistakes are answered with errnos and must not look like daemon trouble, and the troubles a
+test provokes on purpose are part of what it asserts. See olliefs/testing.py's docstring.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
 
 from olliefs.replay import Entry, ReplayServer, parse_script
-from olliefs.testing import HAVE_FUSE, Daemon, deadline
+from olliefs.testing import HAVE_FUSE, Daemon, checking_logs, deadline
+
+FAILED = pytest.StashKey[bool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "expect_log(pattern, level=logging.WARNING, count=1): the test logs this record"
+        " (olliefs.testing.expect_log)",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
+
+
+@pytest.fixture(autouse=True)
+def checked_logs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Set up before, and so torn down after, every other fixture of the test: the daemons
+    and toolsrvs it ran have stopped and had their logs checked when this looks."""
+    with checking_logs() as check:
+        for mark in request.node.iter_markers("expect_log"):
+            check.expect(*mark.args, **mark.kwargs)
+        yield
+    problems = check.unexpected_records()
+    if not request.node.stash.get(FAILED, False):  # unmet declarations of a failed test: noise
+        problems += check.unmet()
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
 
 
 def script(*lines: str) -> list[Entry]:

@@ -144,18 +144,26 @@ class Toolsrv:
         finally:
             log_file.close()
         assert proc.stdin is not None and proc.stdout is not None
-        await proc.stdin.send_all(key.hex().encode() + b"\n")
-        line = b""
-        with trio.move_on_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await proc.stdout.receive_some(64)
-                if not chunk:
-                    break
-                line += chunk
-        if line.strip() != b"ready":
+        try:
+            await proc.stdin.send_all(key.hex().encode() + b"\n")
+            line = b""
+            with trio.move_on_after(30):
+                while not line.endswith(b"\n"):
+                    chunk = await proc.stdout.receive_some(64)
+                    if not chunk:
+                        break
+                    line += chunk
+            if line.strip() != b"ready":
+                raise ToolsrvError(
+                    f"toolsrv did not start (see {self.paths.state / 'toolsrv.log'})"
+                )
+        except BaseException:
+            # Also when cancelled (the daemon stopping): left alive, it would read no key,
+            # log a bogus complaint about it and exit on its own, after the daemon.
             proc.kill()
-            await proc.wait()
-            raise ToolsrvError(f"toolsrv did not start (see {self.paths.state / 'toolsrv.log'})")
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+            raise
         self.spawns += 1
         self._proc, self._key, self._socket = proc, key, str(sock)
         log.info("toolsrv started, pid %d, socket %s", proc.pid, sock)

@@ -30,7 +30,6 @@ toolsrv is held at a point with SIGSTOP, which leaves its tools running.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -44,9 +43,9 @@ import pytest
 
 from olliefs.replay import Entry
 from olliefs.session import persist
-from olliefs.testing import deadline
+from olliefs.testing import deadline, expect_log
 from tests.conftest import Daemon, script
-from tests.e2e.test_tools import call, calls, reply, toolsrv_pids
+from tests.e2e.test_tools import call, calls, expect_toolsrv_killed, reply, toolsrv_pids
 
 DAEMON_POINTS = [
     "mid-stream",
@@ -501,10 +500,7 @@ def torn_journal(d: Daemon) -> tuple[Path, bytes]:
     return path, path.read_bytes()
 
 
-def test_torn_journal_at_every_offset(
-    d: Daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.ERROR, logger="olliefs.session.persist")  # a warning per tear
+def test_torn_journal_at_every_offset(d: Daemon, tmp_path: Path) -> None:
     path, data = torn_journal(d)
     records = persist.read_journal(path)
     n = data.count(b"\n")
@@ -513,7 +509,9 @@ def test_torn_journal_at_every_offset(
     torn = tmp_path / "torn.jsonl"
     for o, k in offsets:
         torn.write_bytes(data[:o])
-        got = persist.restore_journal(torn)  # what a restore reads
+        cut = 0 if o == 0 or data[o - 1] == ord("\n") else 1  # a warning per tear
+        with expect_log(r"torn\.jsonl: torn last record \(\d+ bytes\) cut", count=cut):
+            got = persist.restore_journal(torn)  # what a restore reads
         # the torn record is dropped, every one before it is whole
         assert got == records[:k], o
         assert persist.read_journal(torn) == got
@@ -549,6 +547,9 @@ def test_torn_journal_at_every_offset(
             body = data[ends[0] : cut] if k else b""
             first = msgspec.json.encode(head) + b"\n" if k else data[:cut]
             (sessions / f"{uid}.jsonl").write_bytes(first + body)
+    # Each torn copy is cut back to its last whole record; a create without one goes.
+    expect_log(r"persist: \S+-torn\.jsonl: torn last record \(\d+ bytes\) cut", count=len(sample))
+    expect_log(r"registry: \S+-create-t(orn|cut)\.jsonl: create cut by a crash; removed", count=2)
     restart(d)
     for name, k in sample.items():
         if k == 0:  # a create that never completed: no session, and its file is gone
@@ -569,6 +570,9 @@ def test_torn_create_or_empty_journal(d: Daemon) -> None:
     d.stop()
     (sessions / "1-aaaaaa.jsonl").write_bytes(b"")
     (sessions / "2-bbbbbb.jsonl").write_bytes(b'{"type":"create","uid":"2-bbbbbb","id":"ha')
+    expect_log(r"persist: \S+/2-bbbbbb\.jsonl: torn last record \(42 bytes\) cut")
+    expect_log(r"registry: \S+/1-aaaaaa\.jsonl: create cut by a crash; removed")
+    expect_log(r"registry: \S+/2-bbbbbb\.jsonl: create cut by a crash; removed")
     restart(d)
     assert sorted(os.listdir(d.p("s"))) == ["idx", "new"]
     assert list(sessions.iterdir()) == []
@@ -640,7 +644,7 @@ def test_toolsrv_killed(daemon_factory: Callable[..., Daemon], point: str) -> No
     gate = d.home / "data" / "tmp" / sid / "gate"  # (made by the warm call)
     os.mkfifo(gate)
     (server,) = toolsrv_pids(d)
-    d.allowed_errors.append("toolsrv")  # its death is logged as a warning
+    expect_toolsrv_killed()
     pidfile = d.home / "data" / "tmp" / sid / "pid"
     asked = len(d.replay.requests)
     d.prompt(sid, "go")

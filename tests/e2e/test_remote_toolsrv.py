@@ -118,7 +118,6 @@ def test_what_is_missing_is_named(
 ) -> None:
     settings = {"OLLIE_TOOLSRV": f"ssh:{sshd.host}", "OLLIE_SSH": sshd.ssh} | env
     d = daemon_factory(**settings)
-    d.allowed_errors.append("toolsrv")
     d.replay.add(script(reply("no tools today")))
     with d.running():
         sid = d.new(name="t")
@@ -134,7 +133,6 @@ def test_a_dropped_connection_cuts_the_call_and_the_next_one_reconnects(
 ) -> None:
     work = remote_dir(sshd, "work3")
     d = daemon_factory(OLLIE_TOOLSRV=f"ssh:{sshd.host}:{work}", OLLIE_SSH=sshd.ssh)
-    d.allowed_errors.append("toolsrv")
     d.replay.add(
         script(
             calls(call("execute_code", {"code": "touch started; sleep 1000"}, "c1")),

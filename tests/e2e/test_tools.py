@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from olliefs.testing import running_toolsrv
+from olliefs.testing import expect_log, running_toolsrv
 from tests.conftest import Daemon, oserror, script
 
 
@@ -332,7 +332,7 @@ def test_sigkill_of_toolsrv_mid_call_cuts_the_call_and_the_turn_goes_on(daemon: 
     pids = [int(x) for x in pids_file.read_text().split()]
     assert all(os.path.exists(f"/proc/{p}") for p in pids)
     (server,) = toolsrv_pids(daemon)
-    daemon.allowed_errors.append("toolsrv")  # its death is logged as a warning
+    expect_toolsrv_killed()
     os.kill(server, signal.SIGKILL)
     daemon.wait_idle(sid)
     daemon.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids))
@@ -385,6 +385,7 @@ def test_a_wrong_toolsrv_key_is_an_error_line_not_a_crash(
         key.write_text("00" * 32 + "\n")
         d = daemon_factory(OLLIE_TOOLSRV=f"unix:{srv.socket}", OLLIE_TOOLSRV_KEY_FILE=str(key))
         d.replay.add(script(reply("no tools today")))
+        expect_log(r"olliefs\.agent\.loop: toolsrv: attach refused: authentication failed$")
         with d.running():
             sid = d.new(name="t")
             d.prompt(sid, "hi")
@@ -429,6 +430,15 @@ def test_memory_notes_are_written_and_recalled_under_the_sandbox(daemon: Daemon)
     assert "the build uses meson" in second
 
 
+def expect_toolsrv_killed(lost: int = 1) -> None:
+    """Declare what a toolsrv server killed by SIGKILL leaves in the logs: its keeper's
+    report, the daemon's notice that the keeper ended too, and each of the ``lost``
+    connections, each noticed by its session at its next tool use."""
+    expect_log(r"toolsrv\.keeper: toolsrv server \(pid \d+\) ended by signal 9; killed \d+ ")
+    expect_log(r"olliefs\.toolclient\.spawn: toolsrv \(pid \d+\) exited with 137; respawned")
+    expect_log(r"olliefs\.agent\.runtime: toolsrv connection of \S+ lost: ", count=lost)
+
+
 def toolsrv_pids(daemon: Daemon) -> list[int]:
     """The daemon's toolsrv servers: each runs below its keeper, the process the daemon
     spawned (toolsrv(8)); the keeper is left out."""
@@ -458,7 +468,7 @@ def test_a_dead_toolsrv_is_respawned_on_next_use(daemon: Daemon) -> None:
     (pid,) = toolsrv_pids(daemon)
     os.kill(pid, signal.SIGKILL)
     daemon.wait_for(lambda: pid not in toolsrv_pids(daemon))
-    daemon.allowed_errors.append("toolsrv")  # its death is logged as a warning, not more
+    expect_toolsrv_killed()
     daemon.prompt(sid, "second")
     daemon.wait_idle(sid)
     chat = daemon.read(f"s/{sid}/chat")

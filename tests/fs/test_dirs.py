@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from olliefs.settings import shipped_dir
-from olliefs.testing import Daemon
+from olliefs.testing import Daemon, expect_log
 from tests.conftest import oserror, script
 
 SHIPPED = shipped_dir()
@@ -306,6 +306,9 @@ def test_a_tool_written_to_t_is_offered_at_once_and_runs(daemon: Daemon) -> None
     # chmod where it makes sense: the exec bit of the user's own script.
     os.chmod(daemon.p("t/greet_dirs"), 0o644)
     assert mode(disk) == 0o644
+    # ... which takes it out of the catalogue, as toolsrv says.
+    expect_log(r"toolsrv\.registry: tool .*/greet_dirs left out: not executable \(chmod \+x\)")
+    daemon.wait_for(lambda: "greet_dirs\t" not in daemon.read("t/idx"))
     assert oserror(os.chmod, daemon.p("t/file_read"), 0o777) == errno.EPERM
 
 

@@ -16,8 +16,8 @@ manual promises:
   back with the values written, a profile or skill is either what was written or, when
   refused, what it was before);
 * the daemon is alive, holds no more descriptors than before the test (the handles of a
-  refused write are released too), and its log has no ERROR or traceback (checked when
-  the module's mount stops).
+  refused write are released too), and its log has no undeclared WARNING or worse
+  (checked when the module's mount stops).
 
 One mount for the module, so the examples are cheap (a few ms each). The number of
 examples per target is ``OLLIE_FUZZ_EXAMPLES`` (default 20, about 40 s for the module on
@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 
 from olliefs.agent.chat import visible
 from olliefs.replay import ReplayServer
-from olliefs.testing import HAVE_FUSE, Daemon, deadline
+from olliefs.testing import HAVE_FUSE, Daemon, deadline, expect_log, logs_checked
 
 EXAMPLES = int(os.environ.get("OLLIE_FUZZ_EXAMPLES", "20"))
 FUZZ = settings(
@@ -141,7 +141,10 @@ def fz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
         pytest.skip(reason="needs /dev/fuse (this test mounts a real FUSE filesystem)")
     base = tmp_path_factory.mktemp("fuzz")
     # The replay server echoes every prompt at once, so the turns prompts start end fast.
-    with ReplayServer() as replay, Daemon(base, replay, {}).running() as d:
+    with logs_checked(), ReplayServer() as replay, Daemon(base, replay, {}).running() as d:
+        # Tool scripts of drawn bytes, which toolsrv leaves out of its catalogue (as many
+        # times as it happens to rescan while one is there).
+        expect_log(r"toolsrv\.registry: tool \S*/tools/fz\w* left out: ", count=range(10**6))
         sid = d.new(name="fz")
         peer = d.new(name="fz__kid")
         d.prompt(sid, "warm up")  # the backend's connection pool exists from now on

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from olliefs.testing import await_until
+from olliefs.testing import await_until, expect_log
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
 from toolsrv.sandbox import Profile, SandboxError
@@ -45,6 +45,25 @@ NETWORK = Profile(name="network", network=True)
 # For tests about process handling rather than confinement: runs on any kernel.
 PLAIN = Profile(name="plain", unsandboxed=ABI == 0)
 SHIPPED = Path(__file__).resolve().parents[2] / "agents" / "sandbox"
+
+
+@pytest.fixture(autouse=True)
+def warned_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """toolsrv warns once per process about a kernel feature it goes without; each test
+    here gets its own first time, so the warnings it declares do not hang on the order."""
+    monkeypatch.setattr(sandbox, "_warned", set())
+
+
+NO_MOUNT_NS = r"toolsrv\.sandbox: no mount namespaces: only \.git at the top"
+NO_NETNS = r"toolsrv\.sandbox: no network namespace: tools without network keep the host's"
+
+
+def netns_of(b: Box) -> int | None:
+    """The executor's empty network namespace, as a call gets it; where there is none,
+    the sandbox says so."""
+    if b.executor.netns is None:
+        expect_log(NO_NETNS)
+    return b.executor.netns
 
 
 @pytest.fixture
@@ -221,7 +240,9 @@ def run_entered(prepared: sandbox.Prepared, argv: list[str]) -> dict[str, str]:
 def test_git_fallback_without_mount_namespace(exec_box: Box) -> None:
     """Where namespaces are refused, Landlock rules per top-level entry protect .git."""
     b = exec_box
-    prepared = sandbox.prepare(DEFAULT, [str(b.cwd), str(b.tmp)], mount_ns=False)
+    expect_log(NO_MOUNT_NS)
+    roots = [str(b.cwd), str(b.tmp)]
+    prepared = sandbox.prepare(DEFAULT, roots, mount_ns=False, netns_fd=netns_of(b))
     assert prepared.protect == () and prepared.mounts is None
     targets = [b.cwd / ".git" / "hooks" / "x", b.cwd / "src" / "x", b.cwd / "newtop", b.tmp / "x"]
     got = run_entered(prepared, py(WRITER, *map(str, targets)))
@@ -245,7 +266,9 @@ def test_hidden_dirs_stay_read_only_without_mount_namespace(exec_box: Box) -> No
     tmp = b.cwd / ".local" / "share" / "ollie" / "tmp" / "sess"
     tmp.mkdir(parents=True)
     hide = [str(config), str(b.cwd / ".local" / "share" / "ollie")]
-    prepared = sandbox.prepare(DEFAULT, [str(b.cwd), str(tmp)], mount_ns=False, hide=hide)
+    expect_log(NO_MOUNT_NS)
+    roots = [str(b.cwd), str(tmp)]
+    prepared = sandbox.prepare(DEFAULT, roots, mount_ns=False, hide=hide, netns_fd=netns_of(b))
     assert prepared.mounts is None
     targets = [
         config / "sandbox" / "default.toml",
@@ -347,6 +370,9 @@ def test_landlock_tcp_rules_alone(exec_box: Box) -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         port = str(listener.getsockname()[1])
+        # No namespace at all (both are warned about), no seccomp: the TCP rules alone.
+        expect_log(NO_MOUNT_NS)
+        expect_log(NO_NETNS)
         alone = sandbox.prepare(DEFAULT, [str(exec_box.cwd)], mount_ns=False, use_seccomp=False)
         assert run_entered(alone, py(CONNECT, port)) == {"connect": "EACCES", "bind": "EACCES"}
 
@@ -749,6 +775,8 @@ async def test_memory_limit_per_call(tmp_path: Path, mode: str) -> None:
         profile = Profile(name="small", unsandboxed=True, memory_max=profile.memory_max)
     executor = Executor(cgroups=mode)
     executor.start()
+    if mode == "off" and os.geteuid() == 0:
+        expect_log(r"toolsrv\.sandbox: no pids cgroup: tools running as root have no process cap")
     try:
         if mode == "" and "memory" not in executor.cgroup_mode:
             pytest.skip(reason=f"no writable memory cgroup here ({executor.cgroup_mode})")
@@ -845,7 +873,7 @@ def test_landlock_package_survives_a_stale_errno(exec_box: Box) -> None:
     ctypes call in the same thread, its successful calls would raise. sandbox clears it."""
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.close(-1) == -1 and ctypes.get_errno() != 0
-    prepared = sandbox.prepare(DEFAULT, [str(exec_box.cwd)])
+    prepared = sandbox.prepare(DEFAULT, [str(exec_box.cwd)], netns_fd=netns_of(exec_box))
     assert prepared.ruleset_fd is not None
     prepared.close()
 

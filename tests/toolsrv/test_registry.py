@@ -7,8 +7,8 @@ registry sees a tools dir (names, modes, mtimes), so a fake filesystem would tes
 from __future__ import annotations
 
 import json
-import logging
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import toolsrv.registry as registry_mod
+from olliefs.testing import expect_log
 from toolsrv.registry import (
     HEADER_LIMIT,
     KEYS,
@@ -304,7 +305,8 @@ def test_a_broken_override_hides_the_shipped_tool(tmp_path: Path) -> None:
     broken = put(user, "same", "#!/bin/sh\necho no header\n")
     put(shipped, "same")
     reg = ToolRegistry([user, shipped])
-    assert "same" not in reg.tools()
+    with expect_log(r"toolsrv\.registry: tool \S*/user/same left out: \S*:2: no header"):
+        assert "same" not in reg.tools()
     assert list(reg.errors()) == [str(broken)]
     assert reg.errors()[str(broken)].startswith(f"{broken}:2: no header")
 
@@ -314,7 +316,10 @@ def test_a_non_executable_override_falls_back_and_is_reported(tmp_path: Path) ->
     copy = put(user, "same", mode=0o644, description="user's")
     put(shipped, "same", description="shipped")
     reg = ToolRegistry([user, shipped])
-    assert reg.get("same").description == "shipped"
+    with expect_log(
+        r"toolsrv\.registry: tool \S*/user/same left out: not executable \(chmod \+x\)"
+    ):
+        assert reg.get("same").description == "shipped"
     assert reg.errors() == {str(copy): "not executable (chmod +x)"}
 
 
@@ -332,7 +337,13 @@ def test_ignored_and_bad_files(tmp_path: Path) -> None:
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
     reg = ToolRegistry([tmp_path])
-    assert list(reg.tools()) == ["good"]
+    with (
+        expect_log(r"toolsrv\.registry: tool \S*/Bad-Name left out: bad tool name 'Bad-Name'"),
+        expect_log(r"toolsrv\.registry: tool \S*/9lives left out: bad tool name '9lives'"),
+        expect_log(r"toolsrv\.registry: tool \S*/notes\.txt left out: not executable"),
+        expect_log(r"toolsrv\.registry: tool \S*/dangling left out: broken symlink"),
+    ):
+        assert list(reg.tools()) == ["good"]
     errors = reg.errors()
     assert set(errors) == {str(bad_name), str(digit), str(plain), str(dangling)}
     assert "bad tool name 'Bad-Name'" in errors[str(bad_name)]
@@ -353,7 +364,8 @@ def test_two_files_of_one_name_in_one_dir(tmp_path: Path) -> None:
     put(tmp_path, "dup.py", description="py")
     sh = put(tmp_path, "dup.sh", description="sh")
     reg = ToolRegistry([tmp_path])
-    assert reg.get("dup").description == "py"
+    with expect_log(r"toolsrv\.registry: tool \S*/dup\.sh left out: duplicate tool name 'dup'"):
+        assert reg.get("dup").description == "py"
     assert reg.errors() == {str(sh): f"duplicate tool name 'dup': {tmp_path / 'dup.py'} is used"}
 
 
@@ -384,7 +396,8 @@ def test_rescan_sees_new_changed_and_deleted_tools(tmp_path: Path) -> None:
     assert sorted(reg.tools()) == ["a", "c"]
 
     a.write_text("#!/bin/sh\n")
-    assert sorted(reg.tools()) == ["c"]
+    with expect_log(r"toolsrv\.registry: tool \S*/a left out: \S*/a:2: no header"):
+        assert sorted(reg.tools()) == ["c"]
     assert str(a) in reg.errors()
 
     a.write_text(minimal())
@@ -419,7 +432,10 @@ def test_a_watched_dir_is_seen_at_once(tmp_path: Path) -> None:
     a.write_text(minimal(description="edited"))
     b.chmod(0o644)
     c.unlink()
-    assert watched.tools()["a"].description == "edited"
+    with expect_log(
+        r"toolsrv\.registry: tool \S*/b left out: not executable"
+    ):  # by the watched one only
+        assert watched.tools()["a"].description == "edited"
     assert sorted(watched.tools()) == ["a"]
     assert sorted(unwatched.tools()) == ["a", "b", "c"]  # the control: max_age alone
     assert unwatched.tools()["a"].description == "a"
@@ -429,7 +445,8 @@ def test_chmod_is_noticed(tmp_path: Path) -> None:
     p = put(tmp_path, "t", mode=0o644)
     age(p, tmp_path)
     reg = ToolRegistry([tmp_path])
-    assert reg.tools() == {}
+    with expect_log(r"toolsrv\.registry: tool \S*/t left out: not executable"):
+        assert reg.tools() == {}
     p.chmod(0o755)
     age(p)
     assert list(reg.tools()) == ["t"]
@@ -473,21 +490,16 @@ def test_a_racy_change_of_same_size_and_mtime_is_seen(tmp_path: Path) -> None:
     assert reg.get("t").tier == "warm"
 
 
-def test_errors_are_logged_once_per_change(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_errors_are_logged_once_per_change(tmp_path: Path) -> None:
     p = put(tmp_path, "t", "#!/bin/sh\n")
     reg = ToolRegistry([tmp_path])
-    with caplog.at_level(logging.WARNING, logger="toolsrv.registry"):
+    with expect_log(f"{re.escape(str(p))} left out: .*:2: no header", count=1):
         for _ in range(3):
             reg.tools()
-        assert len(caplog.records) == 1
-        assert str(p) in caplog.records[0].getMessage()
-        p.write_text("#!/bin/sh\n# ollie-tool\n")
+    p.write_text("#!/bin/sh\n# ollie-tool\n")
+    with expect_log(f"{re.escape(str(p))} left out: .*missing required key", count=1):
         reg.tools()
         reg.tools()
-        assert len(caplog.records) == 2
-        assert "missing required key" in caplog.records[1].getMessage()
 
 
 def test_only_the_header_limit_is_read(tmp_path: Path) -> None:
@@ -497,7 +509,8 @@ def test_only_the_header_limit_is_read(tmp_path: Path) -> None:
     assert ToolRegistry([tmp_path]).get("big").description == "Do a thing."
     long_args = '{"type": "object", "description": "' + "x" * HEADER_LIMIT + '"}'
     put(tmp_path, "huge", header("description: d", f"args: {long_args}"))
-    error = ToolRegistry([tmp_path]).errors()[str(tmp_path / "huge")]
+    with expect_log(r"toolsrv\.registry: tool \S*/huge left out: .*args is not valid JSON"):
+        error = ToolRegistry([tmp_path]).errors()[str(tmp_path / "huge")]
     assert "not valid JSON" in error
     assert error.endswith("(only the first 64 KiB are read)")
 
@@ -575,12 +588,9 @@ def test_rev_follows_header_changes_of_loaded_tools_only(reg: ToolRegistry, tmp_
     assert agent.infos()[0].description == "changed"
 
 
-def test_unknown_initial_tools_are_kept(
-    reg: ToolRegistry, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="toolsrv.registry"):
+def test_unknown_initial_tools_are_kept(reg: ToolRegistry, tmp_path: Path) -> None:
+    with expect_log(r"toolsrv\.registry: initial tools not found \(loaded anyway\): later$"):
         agent = AgentTools(reg, ["a", "later"])
-    assert "later" in caplog.text
     assert agent.loaded() == ["a", "later"]
     assert [i.name for i in agent.infos()] == ["a"]
     put(tmp_path, "later")

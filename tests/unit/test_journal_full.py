@@ -22,7 +22,7 @@ from olliefs.errors import DiskError
 from olliefs.live import GrowingLog
 from olliefs.session import persist
 from olliefs.session.persist import End, Prompt, Record, Start
-from olliefs.testing import SmallDisk
+from olliefs.testing import SmallDisk, expect_log
 
 BIG = "x" * 10_000  # more than a page: never fits in the slack a full disk leaves
 
@@ -64,7 +64,8 @@ def test_an_append_the_disk_refuses_is_cut_back(disk: SmallDisk) -> None:
 
     # Not strict: kept in the backlog, in order; a small record that would fit in the
     # slack waits behind it, so the file stays a prefix of the records.
-    j.append(Prompt(3, BIG, 0.0))
+    with expect_log(r"j\.jsonl: journal: No space left on device; records are kept in memory"):
+        j.append(Prompt(3, BIG, 0.0))
     j.append(End(3))
     assert j.owed == 2 and len(broken) == 1 and broken[0].errno == errno.ENOSPC
     assert persist.read_journal(path) == done
@@ -87,7 +88,8 @@ def test_a_cut_that_fails_is_made_before_the_next_append(disk: SmallDisk) -> Non
     subprocess.run(["chattr", "+a", str(path)], check=True)  # appends pass, cuts fail
     try:
         disk.fill()
-        with pytest.raises(DiskError):
+        cut = r"journal \(cutting back a partial record\): Operation not permitted; cut before"
+        with expect_log(cut), pytest.raises(DiskError):
             j.append(Prompt(1, BIG, 0.0), strict=True)
         assert path.stat().st_size > j.size  # the torn bytes could not be cut
         with pytest.raises(DiskError) as err:  # nor now: refused, nothing glued on
@@ -125,9 +127,11 @@ def test_a_record_glued_to_a_torn_one_is_restored(tmp_path: Path) -> None:
     torn = persist._encoder.encode(Prompt(9, 'torn {"type":"x"} here', 0.0))[:-20]
     path = tmp_path / "j.jsonl"
     path.write_bytes(enc[0] + b"\n" + torn + enc[1] + b"\n" + enc[2] + b"\n")
-    assert persist.restore_journal(path) == [Start(1), Prompt(2, "glued", 0.0), End(1)]
+    with expect_log(r"j\.jsonl:2: a torn record \(50 bytes\) dropped"):
+        assert persist.restore_journal(path) == [Start(1), Prompt(2, "glued", 0.0), End(1)]
     path.write_bytes(enc[0] + b"\n" + b"garbage\n" + enc[2] + b"\n")
-    assert persist.restore_journal(path) == [Start(1)]  # unknown damage: stops there
+    with expect_log(r"j\.jsonl:2: unreadable journal record ignored from here: JSON is malformed"):
+        assert persist.restore_journal(path) == [Start(1)]  # unknown damage: stops there
 
 
 def test_a_growing_log_stays_in_memory_while_the_disk_is_full(disk: SmallDisk) -> None:
@@ -147,11 +151,13 @@ def test_a_growing_log_stays_in_memory_while_the_disk_is_full(disk: SmallDisk) -
     append(20)  # its file is made, and takes the oldest bytes
     assert path.stat().st_size > 0
     disk.fill()
-    append(40)
+    with expect_log(r"olliefs\.live: log .*/chat stays in memory for now: .*No space left"):
+        append(40)
     assert path.stat().st_size < len(data) - 2 * 4096  # at most the slack of its last page
     assert log.read(0, len(data)) == data
     disk.free()
-    append(10)
+    with expect_log(r"olliefs\.live: log .*/chat written again"):
+        append(10)
     assert path.stat().st_size >= len(data) - 2 * 4096  # all but the window, at once
     assert log.read(0, len(data)) == data
     log.discard()
