@@ -396,10 +396,6 @@ class Daemon:
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.mounted():  # the dead mount ``crash`` left: ``ollie mount`` clears it, and says so
-            expect_log(
-                f"^output: ollie: cleared a stale mount left at {re.escape(str(self.path))} "
-            )
         stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(
             [self.python, "-m", "olliefs", "mount", "-f", *self.mount_args, str(self.path)],

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import Daemon, oserror, script
-from tests.e2e.test_tools import toolsrv_pids
+from tests.e2e.test_tools import expect_toolsrv_killed, toolsrv_pids
 
 
 def call(name: str, args: dict[str, Any], cid: str) -> dict[str, Any]:
@@ -187,6 +187,7 @@ def test_sigkill_of_toolsrv_mid_call_keeps_none_of_it(daemon: Daemon) -> None:
     w: Path = daemon.work
     after = calls(call("file_write", {"path": "next.txt", "content": "n\n"}, "c2"))
     sid, _tmp = _blocked_call(daemon, [after, reply("on")])
+    expect_toolsrv_killed()
     os.kill(_toolsrv_pid(daemon), signal.SIGKILL)
     daemon.wait_idle(sid)
     assert (w / "next.txt").read_text() == "n\n"  # the next call ran on a new toolsrv

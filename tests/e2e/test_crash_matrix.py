@@ -366,6 +366,10 @@ def test_new_while_its_journal_appears(d: Daemon) -> None:
     before = set(os.listdir(sessions))
     work = Background(lambda: d.new(name="racing"))
     returned = kill_when(d, lambda: set(os.listdir(sessions)) != before, work)
+    # A journal caught under its dot name (the kill came before its rename) goes.
+    expect_log(
+        r"registry: \S+\.jsonl\.tmp: session creation cut by a crash; removed", count=range(2)
+    )
     restart(d)
     names = set(os.listdir(d.p("s"))) - {"new", "idx"}
     if returned:
@@ -401,6 +405,10 @@ def test_fork_while_its_journal_appears(d: Daemon) -> None:
     before = set(os.listdir(sessions))
     work = Background(lambda: d.write(f"s/{sid}/ctl", "fork kid"))
     returned = kill_when(d, lambda: set(os.listdir(sessions)) != before, work)
+    # A journal caught under its dot name (the kill came before its rename) goes.
+    expect_log(
+        r"registry: \S+\.jsonl\.tmp: session creation cut by a crash; removed", count=range(2)
+    )
     restart(d)
     names = set(os.listdir(d.p("s"))) - {"new", "idx"}
     assert names in ({"src"}, {"src", "kid"}) and (not returned or "kid" in names)
@@ -420,6 +428,7 @@ def test_a_creation_cut_before_its_rename_leaves_no_session(d: Daemon) -> None:
     j.append(persist.Create("cutuid", "kid", str(d.work), "openai", "replay", "", 1.0))
     j.close()
     d.crash()
+    expect_log(r"registry: \S+/\.cutuid\.jsonl\.tmp: session creation cut by a crash; removed")
     restart(d)
     assert set(os.listdir(d.p("s"))) == {sid, "new", "idx"}
     assert not cut.exists()
@@ -443,6 +452,8 @@ def test_rewind_while_its_branch_is_written(d: Daemon) -> None:
     shutil.rmtree(branches / uid / "1", ignore_errors=True)
     (branches / uid / ".1.tmp").mkdir(parents=True, exist_ok=True)
     (branches / uid / ".1.tmp" / "context").write_text('{"role": "us')
+    if rewound:
+        expect_log(r"session\.session: session rw: branches/1 rebuilt from the journal")
     restart(d)  # checks that a branch the tree shows is whole
     assert context(d, sid) == (ctx1 if rewound else ctx2)
     if rewound:  # the record is there: its branch is rebuilt from the journal

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import pwd
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from olliefs.testing import expect_log
 from tests.conftest import Daemon, oserror, script
 from tests.e2e.sshd import Sshd, running_sshd
 from tests.e2e.test_tools import call, calls, reply
@@ -117,6 +119,11 @@ def test_what_is_missing_is_named(
     sshd: Sshd, daemon_factory: Callable[..., Daemon], env: dict[str, str], says: str
 ) -> None:
     settings = {"OLLIE_TOOLSRV": f"ssh:{sshd.host}", "OLLIE_SSH": sshd.ssh} | env
+    # The turn goes on without tools; the daemon says why, once where the link failed
+    # (not for a missing ssh, found before any start) and once where the turn met it.
+    said = re.escape(says)
+    expect_log(rf"toolclient\.remote: toolsrv ssh:\S+: {said}", count=range(2))
+    expect_log(rf"agent\.loop: toolsrv ssh:\S+: {said}")
     d = daemon_factory(**settings)
     d.replay.add(script(reply("no tools today")))
     with d.running():
@@ -147,6 +154,8 @@ def test_a_dropped_connection_cuts_the_call_and_the_next_one_reconnects(
         d.prompt(sid, "go")
         d.wait_for(lambda: (work / "started").exists())
         (pid,) = ssh_pids(sshd)
+        expect_log(r"agent\.runtime: toolsrv connection of \S+ lost: connection closed")
+        expect_log(r"toolclient\.remote: toolsrv ssh:\S+: ssh ended \(-9\); reconnects")
         os.kill(pid, signal.SIGKILL)
         d.wait_idle(sid)
         chat = d.read(f"s/{sid}/chat")

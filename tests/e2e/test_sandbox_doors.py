@@ -14,6 +14,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from olliefs.testing import expect_log
 from tests.conftest import Daemon, oserror, script
 
 
@@ -135,6 +136,12 @@ TOOL = '#!/bin/sh\n# ollie-tool\n# description: x\n# args: {"type": "object"}\n'
 
 
 def test_a_tool_cannot_write_a_tool_with_more_rights_than_its_own(daemon: Daemon) -> None:
+    # A refused write leaves its file empty (made by the open, as on a disk): toolsrv, if
+    # it looks then, leaves that file out of its tools and says why.
+    expect_log(
+        r"toolsrv\.registry: tool \S+/(fetch2?|net) left out: \S+:1: first line must be",
+        count=range(10),
+    )
     sid = daemon.new(name="tw")
     results = _agent_calls(
         daemon,

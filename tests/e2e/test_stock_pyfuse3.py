@@ -29,7 +29,7 @@ import pytest
 
 from olliefs.fs import patched
 from olliefs.replay import ReplayServer
-from olliefs.testing import HAVE_FUSE, Daemon
+from olliefs.testing import HAVE_FUSE, Daemon, expect_log
 from tests.fs.test_blocking import end, gone, start_reader
 from tests.fs.test_poll import follow, result
 
@@ -110,6 +110,7 @@ def test_stock_pyfuse3_mounts_serves_and_lets_an_opener_go(
 ) -> None:
     daemon = Daemon(tmp_path, replay, {})
     daemon.python = str(stock_python)
+    expect_log(r"olliefs\.daemon: pyfuse3 3\.5\.0 lacks olliefs's patches")
     with daemon.running():
         lines = [x for x in daemon.stderr().splitlines() if "lacks olliefs's patches" in x]
         assert len(lines) == 1 and " WARNING " in lines[0], daemon.stderr()

@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from ninep.server import ACCEPT_CAPACITY_ERRNOS, accept_loop, serve_unix
+from olliefs.testing import expect_log
 from tests.ninep.conftest import MemFS, Raw
 
 
@@ -72,6 +73,9 @@ async def test_out_of_descriptors_or_memory_waits_and_tries_again(
     ]
     listener = ScriptedListener(script)
     started: list[Conn] = []
+    # A warning once when accepting starts failing (not at each try), each time.
+    expect_log(r"9P accept on sock failed: \[Errno 24\] Too many open files; trying again")
+    expect_log(r"9P accept on sock failed: \[Errno 12\] Cannot allocate memory; trying again")
     with caplog.at_level(logging.INFO, logger="ninep.server"):
         with pytest.raises(OSError) as caught:
             await accept_loop(listener, started.append, "sock")
@@ -104,6 +108,7 @@ async def test_a_client_waiting_while_descriptors_run_out_is_served_after(
 ) -> None:
     """The process runs out of descriptors with a client in the socket's backlog: the
     server goes on trying, and serves that client once descriptors are free again."""
+    expect_log(r"9P accept on \S+/fd\.sock failed: \[Errno 24\] Too many open files")
     path = os.path.join(sock_dir, "fd.sock")
     failed = trio.Event()
 
