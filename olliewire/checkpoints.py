@@ -135,6 +135,7 @@ class Store:
         self.run = root / "run"
         self.staged = root / "staged"
         self.staged_rec = root / "staged.json"
+        self.merging = root / "merging.json"  # a review call's merge under way
         with _locks_guard:
             self.lock = _locks.setdefault(str(root), threading.Lock())
 
@@ -389,9 +390,64 @@ def apply(store: Store, rec: Record, real: str) -> None:
         shutil.rmtree(store.root / rec.upper, ignore_errors=True)
 
 
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _merge(src: str, dst: str, real: str) -> None:
+    """Overlay ``src`` (a call's upper dir) onto ``dst`` (the staged one) as overlayfs
+    would stack them, over the real tree ``real``. Each step can be done again: what is
+    merged leaves ``src`` by a rename, and ``src`` goes only once all of it has."""
+    for name in os.listdir(src):
+        s, d, r = os.path.join(src, name), os.path.join(dst, name), os.path.join(real, name)
+        st = os.lstat(s)
+        if _whiteout(st):
+            _remove(d)
+            if os.path.lexists(r):  # deleted from the real tree once accepted
+                os.mknod(d, stat.S_IFCHR, 0)
+            os.unlink(s)
+        elif stat.S_ISDIR(st.st_mode):
+            try:
+                opaque = os.getxattr(s, OPAQUE_XATTR, follow_symlinks=False) == b"y"
+            except OSError:
+                opaque = False
+            if opaque or not (os.path.isdir(d) and not os.path.islink(d)):
+                _remove(d)
+                os.rename(s, d)
+            else:
+                _merge(s, d, r)
+                os.chmod(d, stat.S_IMODE(st.st_mode))
+                os.rmdir(s)
+        else:
+            _remove(d)
+            os.rename(s, d)
+
+
+def merge_staged(store: Store, token: str, cwd: str) -> None:
+    """A review call's changes (``run/<token>/u``) join the staged edits, all or none:
+    ``merging`` says durably which call is being merged before the first step, so a
+    crash in the middle is finished by ``recover``; then ``staged.json`` is made anew."""
+    upper = store.run / token / "u"
+    if upper.is_dir() and os.listdir(upper):
+        write_durably(store.merging, _enc.encode({"token": token, "cwd": cwd}))
+        (store.staged / "u").mkdir(parents=True, mode=0o755, exist_ok=True)
+        _merge(str(upper), str(store.staged / "u"), cwd)
+    stage(store, cwd)
+    store.merging.unlink(missing_ok=True)
+    shutil.rmtree(store.run / token, ignore_errors=True)
+
+
 def recover(store: Store) -> None:
-    """Finish what a crash left: records not yet applied are applied, upper dirs without
-    a record (calls that never finished) are dropped."""
+    """Finish what a crash left: records not yet applied are applied, a review call's
+    merge into the staged edits is finished, upper dirs without either (calls that never
+    finished) are dropped."""
     with store.lock:
         try:
             runs = os.listdir(store.run)
@@ -401,6 +457,13 @@ def recover(store: Store) -> None:
             runs = [t for t in runs if store.run / t not in _live]
         if not runs:
             return
+        try:
+            merging = msgspec.json.decode(store.merging.read_bytes())
+        except FileNotFoundError:
+            merging = None
+        if merging is not None and merging["token"] in runs:
+            runs.remove(merging["token"])
+            merge_staged(store, merging["token"], merging["cwd"])
         pending = {r.upper: r for r in store.records() if r.upper}
         for token in runs:
             rec = pending.get(f"run/{token}")

@@ -49,8 +49,8 @@ from olliewire.checkpoints import (
     collect,
     in_flight,
     landed,
+    merge_staged,
     recover,
-    stage,
 )
 from toolsrv import namespaces
 
@@ -69,19 +69,25 @@ class Overlay:
         self.review = review
         store.ensure()
         self.token = f"{int(time.time() * 1000):x}-{secrets.token_hex(4)}"
-        # Review mode: one upper dir for the session, kept from call to call until the
-        # edits in it are accepted or rejected (``staged.json`` says what it holds).
-        self.dir = store.staged if review else store.run / self.token
+        self.dir = store.run / self.token
         in_flight(self.dir)
-        (self.dir / "u").mkdir(parents=True, mode=0o755, exist_ok=review)
-        (self.dir / "w").mkdir(mode=0o700, exist_ok=review)
+        (self.dir / "u").mkdir(parents=True, mode=0o755)
+        (self.dir / "w").mkdir(mode=0o700)
         self.users = 1  # the calls in flight that share it
+        # Review mode: the session's staged edits (``staged/u``, kept from call to call
+        # until accepted or rejected) are a layer between the call and the real tree, so
+        # the call sees them; what the call changes goes to its own upper dir, merged
+        # into the staged one only once the call has ended (all of it or none).
+        layers = [("lowerdir+", cwd)]
+        if review:
+            (store.staged / "u").mkdir(parents=True, mode=0o755, exist_ok=True)
+            layers.insert(0, ("lowerdir+", str(store.staged / "u")))
         # Made here, where the store (hidden from tools) is seen; each call attaches a
         # copy in its own namespace, so calls running side by side see each other's files.
         self.mount_fd = namespaces.make_mount(
             "overlay",
             [
-                ("lowerdir+", cwd),
+                *layers,
                 ("upperdir", str(self.dir / "u")),
                 ("workdir", str(self.dir / "w")),
                 ("redirect_dir", "off"),
@@ -127,7 +133,7 @@ class Overlay:
         """After the call: record and apply what it changed (None: nothing)."""
         if self.review:
             with self.store.lock:
-                stage(self.store, self.cwd)
+                merge_staged(self.store, self.token, self.cwd)
             landed(self.dir)
             return None
         with self.store.lock:

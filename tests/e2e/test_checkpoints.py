@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import signal
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -163,14 +164,16 @@ def test_a_user_edit_between_turns_makes_rewind_refuse(daemon: Daemon) -> None:
     assert not (w / "b.txt").exists()
 
 
-def _blocked_call(daemon: Daemon, then: list[str]) -> tuple[str, Path]:
+def _blocked_call(daemon: Daemon, then: list[str], *, review: bool = False) -> tuple[str, Path]:
     """A session whose tool writes half.txt in the cwd, says so in its tmp dir and waits
-    on a fifo nobody writes; its id and its tmp dir."""
+    on a fifo nobody writes; its id and its tmp dir (``review``: in review mode)."""
     w: Path = daemon.work
     code = "echo half > half.txt; mkfifo $OLLIE_TMP/f; echo up > $OLLIE_TMP/up; cat $OLLIE_TMP/f"
     daemon.replay.add(script(calls(call("execute_code", {"code": code}, "c1")), *then))
     sid = daemon.new(name="k", cwd=str(w))
     daemon.write(f"s/{sid}/ctl", "tool_load execute_code\ntool_load file_write")
+    if review:
+        daemon.write(f"s/{sid}/cfg", "edits=review")
     daemon.prompt(sid, "go")
     tmp = daemon.home / "data" / "tmp" / sid
     daemon.wait_for(lambda: (tmp / "up").exists())
@@ -195,6 +198,52 @@ def test_sigkill_of_toolsrv_mid_call_keeps_none_of_it(daemon: Daemon) -> None:
     assert daemon.read(f"s/{sid}/checkpoints/1/files") == "A\tnext.txt\n"
     run = next((daemon.home / "state" / "checkpoints").glob("*/run"))
     assert os.listdir(run) == []  # the killed call's upper dir is gone
+
+
+def test_sigkill_of_toolsrv_mid_call_in_review_mode_stages_none_of_it(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    after = calls(call("file_write", {"path": "next.txt", "content": "n\n"}, "c2"))
+    sid, _tmp = _blocked_call(daemon, [after, reply("on")], review=True)
+    expect_toolsrv_killed()
+    os.kill(_toolsrv_pid(daemon), signal.SIGKILL)
+    daemon.wait_idle(sid)
+    # The killed call's half.txt never joined the staged edits; the next call's did.
+    assert daemon.read(f"s/{sid}/staged/files") == "A\tnext.txt\n"
+    assert not (w / "next.txt").exists() and not (w / "half.txt").exists()
+
+
+def test_a_review_merge_cut_by_a_crash_is_finished_at_the_next_call(daemon: Daemon) -> None:
+    w: Path = daemon.work
+    (w / "gone.txt").write_text("here\n")
+    daemon.replay.add(
+        script(
+            calls(call("file_write", {"path": "first.txt", "content": "1\n"}, "c1")),
+            reply("one"),
+            calls(call("execute_code", {"code": "cat cut.txt; ls"}, "c2")),
+            reply("two"),
+        )
+    )
+    sid = daemon.new(name="m", cwd=str(w))
+    daemon.write(f"s/{sid}/ctl", "tool_load execute_code\ntool_load file_write")
+    daemon.write(f"s/{sid}/cfg", "edits=review")
+    daemon.prompt(sid, "one")
+    daemon.wait_idle(sid)
+    (store,) = (daemon.home / "state" / "checkpoints").iterdir()
+    # What a toolsrv killed between the first and the last step of a merge leaves: the
+    # call's upper dir (a file and a deletion) and the durable note of the merge.
+    upper = store / "run" / "cut-1" / "u"
+    upper.mkdir(parents=True)
+    (upper / "cut.txt").write_text("cut\n")
+    os.mknod(upper / "gone.txt", stat.S_IFCHR, 0)  # overlayfs's whiteout
+    (store / "merging.json").write_text(json.dumps({"token": "cut-1", "cwd": str(w)}))
+    daemon.prompt(sid, "two")
+    daemon.wait_idle(sid)
+    files = daemon.read(f"s/{sid}/staged/files").splitlines()
+    assert sorted(files) == ["A\tcut.txt", "A\tfirst.txt", "D\tgone.txt"], files
+    out = tool_messages(daemon, 3)[-1]["content"]
+    assert out.startswith("cut\n") and "gone.txt" not in out  # the call saw it merged
+    assert not (store / "merging.json").exists() and not (store / "run" / "cut-1").exists()
+    assert (w / "gone.txt").read_text() == "here\n"  # staged, not applied
 
 
 def test_sigkill_of_the_daemon_mid_call_keeps_all_of_it(daemon: Daemon) -> None:
