@@ -186,22 +186,25 @@ class SessionTree:
     async def _drain(fd: int, follow: Callable[[str], Awaitable[None]]) -> bool:
         """Hand ``follow`` what can be read now; True at the end of the stream (the
         session was removed)."""
-        pending = b""
-        ended = False
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                break
-            if not chunk:
-                ended = True
-                break
-            pending += chunk
+        pending, ended = read_now(fd)
         if pending:
             # Read is read: a cancel (the state changed meanwhile) must not lose it.
             with anyio.CancelScope(shield=True):
                 await follow(pending.decode(errors="replace"))
         return ended
+
+
+def read_now(fd: int) -> tuple[bytes, bool]:
+    """What a non-blocking ``fd`` holds now, and whether it reached its end."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return data, False
+        if not chunk:
+            return data, True
+        data += chunk
 
 
 class Watchers:
@@ -261,16 +264,7 @@ class Watchers:
             rest = b""
             while True:
                 await anyio.wait_readable(fd)
-                data, ended = b"", False
-                while True:
-                    try:
-                        chunk = os.read(fd, 65536)
-                    except BlockingIOError:
-                        break
-                    if not chunk:
-                        ended = True
-                        break
-                    data += chunk
+                data, ended = read_now(fd)
                 *lines, rest = (rest + data).split(b"\n")
                 sids = set()
                 for line in lines:

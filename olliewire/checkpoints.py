@@ -225,8 +225,10 @@ def snapshot(store: Store, path: str) -> Obj | None:
         os.close(fd)
 
 
-def _lower_files(lower: str, rel: str, out: list[str]) -> None:
-    """Every file and symlink beneath the lower dir ``rel`` (what a deleted dir held)."""
+def _lower(lower: str, rel: str, files: list[str], dirs: list[str]) -> None:
+    """What the lower dir ``rel`` holds (what a deleted or replaced dir held): every file
+    and symlink (protected paths left out) into ``files``, every dir into ``dirs``,
+    children first."""
     try:
         it = os.scandir(os.path.join(lower, rel))
     except OSError:
@@ -234,26 +236,11 @@ def _lower_files(lower: str, rel: str, out: list[str]) -> None:
     with it:
         for e in it:
             p = f"{rel}/{e.name}" if rel else e.name
-            if protected(p):
-                continue
             if e.is_dir(follow_symlinks=False):
-                _lower_files(lower, p, out)
-            else:
-                out.append(p)
-
-
-def _lower_dirs(lower: str, rel: str, out: list[str]) -> None:
-    """The dirs beneath ``rel`` in the lower tree, children first."""
-    try:
-        it = os.scandir(os.path.join(lower, rel))
-    except OSError:
-        return
-    with it:
-        for e in it:
-            if e.is_dir(follow_symlinks=False):
-                p = f"{rel}/{e.name}"
-                _lower_dirs(lower, p, out)
-                out.append(p)
+                _lower(lower, p, files, dirs)
+                dirs.append(p)
+            elif not protected(p):
+                files.append(p)
 
 
 @dataclass
@@ -282,8 +269,7 @@ def _walk(upper: str, lower: str, rel: str, w: _Walk) -> None:
         low_dir = lst is not None and stat.S_ISDIR(lst.st_mode)
         if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # a whiteout
             if low_dir:
-                _lower_files(lower, p, w.deleted)
-                _lower_dirs(lower, p, w.rmdirs)
+                _lower(lower, p, w.deleted, w.rmdirs)
                 w.rmdirs.append(p)
             elif lst is not None:
                 w.deleted.append(p)
@@ -295,18 +281,16 @@ def _walk(upper: str, lower: str, rel: str, w: _Walk) -> None:
                 opaque = os.getxattr(e.path, OPAQUE_XATTR, follow_symlinks=False) == b"y"
             if low_dir and opaque:  # removed and made again: what it held is gone
                 gone: list[str] = []
-                _lower_files(lower, p, gone)
-                w.deleted.extend(g for g in gone if not os.path.lexists(os.path.join(upper, g)))
                 inner: list[str] = []
-                _lower_dirs(lower, p, inner)
+                _lower(lower, p, gone, inner)
+                w.deleted.extend(g for g in gone if not os.path.lexists(os.path.join(upper, g)))
                 w.rmdirs.extend(d for d in inner if not os.path.lexists(os.path.join(upper, d)))
             if not low_dir:
                 w.mkdirs.append((p, stat.S_IMODE(st.st_mode)))
             _walk(upper, lower, p, w)
         elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
             if low_dir:
-                _lower_files(lower, p, w.deleted)
-                _lower_dirs(lower, p, w.rmdirs)
+                _lower(lower, p, w.deleted, w.rmdirs)
                 w.rmdirs.append(p)
             w.written.append(p)
 
