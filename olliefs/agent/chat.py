@@ -41,6 +41,10 @@ _PICTURES: dict[int, int | str] = {c: 0x2400 + c for c in range(0x20) if c not i
 _PICTURES[0x7F] = 0x2421
 _PICTURES.update({c: "\u241b" + chr(c - 0x40) for c in range(0x80, 0xA0)})
 _LONE_CR = re.compile("\r(?!\n)")
+# The same set in ASCII as bytes, deleted by ``bytes.translate``: for ASCII text, a few
+# times faster than the pattern's search (whose character-class scan was a quarter of the
+# daemon's time on a reply streamed in 4 KB deltas).
+_UNSAFE_ASCII = bytes([*(c for c in range(0x20) if c not in (9, 10)), 0x7F])
 CR_PICTURE = "\u240d"
 
 MARKERS = ("user: ", "assistant: ", "-> ", ":: ", "error: ", "<think>", "</think>", "retrying in ")
@@ -62,6 +66,22 @@ def visible(text: str) -> str:
     is after one scan: this runs for every streamed delta."""
     if _UNSAFE.search(text) is None:
         return text
+    return _shown(text)
+
+
+def visible_bytes(text: str) -> bytes:
+    """``visible(text)`` as UTF-8, what the chat log appends: ASCII text is checked as
+    the bytes it is encoded to anyway."""
+    data = text.encode()
+    if len(data) == len(text):  # ASCII
+        if len(data.translate(None, _UNSAFE_ASCII)) == len(data):
+            return data
+    elif _UNSAFE.search(text) is None:
+        return data
+    return _shown(text).encode()
+
+
+def _shown(text: str) -> str:
     text = text.translate(_PICTURES)
     return _LONE_CR.sub(CR_PICTURE, text) if "\r" in text else text
 
@@ -109,7 +129,7 @@ class ChatRenderer:
         if text.endswith("\r"):
             self._cr = True
             text = text[:-1]
-        self.log.append(visible(text).encode())
+        self.log.append(visible_bytes(text))
 
     def render(self, ev: Event) -> None:
         role = ev.role

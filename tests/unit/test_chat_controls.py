@@ -14,7 +14,7 @@ import re
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from olliefs.agent.chat import ChatRenderer, visible
+from olliefs.agent.chat import ChatRenderer, visible, visible_bytes
 from olliefs.agent.events import Event, EventRole
 from olliefs.live import GrowingLog
 
@@ -60,6 +60,13 @@ def test_no_control_survives(text: str) -> None:
 @given(st.text(alphabet=st.characters(exclude_categories=["Cc"]) | st.sampled_from("\t\n")))
 def test_text_without_controls_is_untouched(text: str) -> None:
     assert visible(text) == text
+
+
+@given(texts | st.text(alphabet=st.characters(max_codepoint=0x7F)) | st.text())
+@example("plain ascii, one CR\r")
+def test_the_bytes_the_chat_appends_are_the_visible_text(text: str) -> None:
+    # visible_bytes checks ASCII text as bytes (a faster scan): the same result
+    assert visible_bytes(text) == visible(text).encode()
 
 
 @given(texts, st.lists(st.integers(0, 60), max_size=8))
