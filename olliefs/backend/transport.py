@@ -58,6 +58,7 @@ from collections.abc import AsyncGenerator, Iterator
 import h11
 import httpx
 import trio
+from h11._readers import ChunkedReader as _ChunkedReader
 
 # One receive: large enough that a stream that fell behind catches up in few reads (each
 # read costs the same above this module however much it holds), and a 10 MB reply is a
@@ -166,6 +167,66 @@ def body_piece(h: h11.Connection) -> tuple[bytes, bool]:
         return (b"" if first is None else bytes(first)), done
 
 
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def received(h: h11.Connection, data: bytes) -> tuple[bytes, bool]:
+    """``h.receive_data(data)`` then ``body_piece(h)``, the same result, faster for the
+    common chunked body: complete chunks of the plainest form (a size of 1 to 16 hex
+    digits, CRLF, the data, CRLF) are cut out here in one loop; the first thing of any
+    other form (an extension, the last chunk and its trailers, a chunk the read holds
+    only part of, anything malformed) and all that follows it in the read go to h11,
+    which then stands exactly at that chunk's start, as if it had read the chunks before.
+
+    Why: a stream that fell behind gets many chunks in one read, and h11 decodes each
+    through a dozen calls of its own (with 1,000 streaming sessions, its chunk reading
+    was half of the daemon's time). h11 keeps every decision but this one: the head,
+    the framing, the end, trailers, errors, whether the connection can be reused. Its
+    chunk reader's state is only looked at (``_reader``): with any other h11 the whole
+    read is h11's, as before."""
+    reader = getattr(h, "_reader", None)
+    if (
+        type(reader) is not _ChunkedReader
+        or getattr(reader, "_reading_trailer", True)
+        or h.their_state is not h11.SEND_BODY
+        or h.trailing_data[0]  # a size line h11 has begun
+    ):
+        h.receive_data(data)
+        return body_piece(h)
+    out: list[bytes] = []
+    left = reader._bytes_in_chunk  # (its CRLF is owed once they have come)
+    need = left + 2 if left else len(reader._bytes_to_discard)
+    if need:  # the rest of a chunk h11 has begun: h11's
+        if need >= len(data):
+            h.receive_data(data)
+            return body_piece(h)
+        h.receive_data(data[:need])
+        piece, done = body_piece(h)
+        out.append(piece)
+        data = data[need:]
+    pos, end = 0, len(data)
+    find = data.find
+    while True:
+        eol = find(b"\r\n", pos, pos + 18)
+        if eol <= pos:
+            break
+        size_hex = data[pos:eol]
+        if size_hex.translate(None, _HEX):
+            break  # an extension, white space, no hex: h11's to read or refuse
+        size = int(size_hex, 16)
+        stop = eol + 2 + size
+        if size == 0 or stop + 2 > end or data[stop : stop + 2] != b"\r\n":
+            break  # the last chunk, one not all here, a broken footer: h11's
+        out.append(data[eol + 2 : stop])
+        pos = stop + 2
+    done = False
+    if pos < end:
+        h.receive_data(data[pos:] if pos else data)
+        piece, done = body_piece(h)
+        out.append(piece)
+    return (out[0] if len(out) == 1 else b"".join(out)), done
+
+
 def reusable(h: h11.Connection) -> bool:
     """Whether the connection may carry another exchange after this one: both sides are
     done, neither said ``Connection: close`` (nor is HTTP/1.0), the server has not
@@ -201,13 +262,14 @@ class _Connection:
     a streamed token cost.) TLS goes through trio's SSLStream.
     """
 
-    __slots__ = ("expires", "received", "sock", "tls")
+    __slots__ = ("drained", "expires", "received", "sock", "tls")
 
     def __init__(self, sock: socket.socket, tls: trio.SSLStream[trio.SocketStream] | None) -> None:
         self.sock = sock
         self.tls = tls
         self.expires = 0.0
         self.received = 0  # bytes received in all
+        self.drained = False
 
     def stale(self) -> bool:
         """Closed by the server while idle (or holding bytes nobody asked for)."""
@@ -227,22 +289,32 @@ class _Connection:
             with trio.fail_after(timeout):
                 data = bytes(await self.tls.receive_some(RECEIVE_SIZE))
         else:
-            sock, waited = self.sock, False
+            sock, waited = self.sock, self.drained
+            if waited:  # the last read took all there was: wait before asking again
+                await self._readable(timeout)
             while True:
                 try:
                     data = sock.recv(RECEIVE_SIZE)
                     break
                 except BlockingIOError:
                     pass
-                with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                    await trio.lowlevel.wait_readable(sock)
-                if scope.cancelled_caught:
-                    raise trio.TooSlowError
+                await self._readable(timeout)
                 waited = True
             if not waited:
                 await trio.lowlevel.checkpoint()  # others run between two reads
+            # A read that did not fill the buffer most likely emptied the socket: the
+            # next one waits for readiness first rather than failing with EAGAIN (a
+            # system call of each token's way); if bytes came meanwhile, the wait
+            # returns at once.
+            self.drained = 0 < len(data) < RECEIVE_SIZE
         self.received += len(data)
         return data
+
+    async def _readable(self, timeout: float) -> None:
+        with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+            await trio.lowlevel.wait_readable(self.sock)
+        if scope.cancelled_caught:
+            raise trio.TooSlowError
 
     async def send_all(self, data: bytes, timeout: float) -> None:
         if self.tls is not None:
@@ -496,9 +568,10 @@ class _Body(httpx.AsyncByteStream):
         if conn is None or self._done:
             return
         timeout = self._timeout
+        data: bytes | None = None  # None: only what h11 holds (what came with the head)
         while True:
             try:
-                piece, done = body_piece(h)  # first what came with the head
+                piece, done = body_piece(h) if data is None else received(h, data)
             except h11.ProtocolError as exc:
                 raise _protocol_error(exc, request) from exc
             if done:
@@ -508,7 +581,10 @@ class _Body(httpx.AsyncByteStream):
                 return
             if piece:
                 yield piece
-            h.receive_data(await _receive(conn, request, timeout))  # b"": the end
+            data = await _receive(conn, request, timeout)
+            if not data:  # the connection's end: h11 says what that means for the body
+                h.receive_data(data)
+                data = None
 
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None

@@ -18,6 +18,7 @@ from olliefs.backend.transport import (
     MAX_HEAD,
     body_piece,
     next_head,
+    received,
     request_head,
     reusable,
     sent,
@@ -46,18 +47,37 @@ def replied(head: bytes = CHUNKED_HEAD, method: str = "GET") -> h11.Connection:
     return h
 
 
-def read_body(h: h11.Connection, pieces: list[bytes]) -> tuple[list[bytes], int]:
+def read_body(
+    h: h11.Connection, pieces: list[bytes], fast: bool = False
+) -> tuple[list[bytes], int]:
     """Each piece given as one network read: the body pieces that came out, and how
-    many reads the body took (an IndexError: it never ended)."""
+    many reads the body took (an IndexError: it never ended). ``fast``: each read
+    through ``received`` (the transport's way), not ``receive_data`` + ``body_piece``."""
     out, fed = [], 0
+    piece, done = body_piece(h)
     while True:
-        piece, done = body_piece(h)
         if piece:
             out.append(piece)
         if done:
             return out, fed
-        h.receive_data(pieces[fed])
+        data = pieces[fed]
         fed += 1
+        if fast and data:
+            piece, done = received(h, data)
+        else:
+            h.receive_data(data)
+            piece, done = body_piece(h)
+
+
+def outcome(pieces: list[bytes], fast: bool) -> tuple[object, ...]:
+    """What reading a chunked body of these reads gives: its pieces, the reads it took,
+    what h11 holds after it and whether the connection is reusable; or the error."""
+    h = replied()
+    try:
+        out, fed = read_body(h, pieces, fast)
+    except (h11.ProtocolError, IndexError) as exc:
+        return (type(exc), str(exc))
+    return (out, fed, h.trailing_data, reusable(h))
 
 
 ODD = (
@@ -105,6 +125,57 @@ def test_chunked_any_split_gives_the_body(
     # what followed the body in the same read stays in h11: the connection is not reused
     assert h.trailing_data[0] + b"".join(pieces[fed:]) == after
     assert reusable(h) == (not h.trailing_data[0])
+
+
+chunk_forms = st.one_of(
+    st.binary(min_size=1, max_size=40).map(lambda b: b"%x\r\n%s\r\n" % (len(b), b)),
+    st.binary(min_size=1, max_size=40).map(lambda b: b"%X;e=1\r\n%s\r\n" % (len(b), b)),
+    st.binary(min_size=1, max_size=20).map(lambda b: b"%04x \r\n%s\r\n" % (len(b), b)),
+    st.sampled_from(
+        [
+            b"0\r\n\r\n",
+            b"0\r\nX-A: 1\r\n\r\n",
+            b"2\r\nabXY",  # a broken footer
+            b"zz\r\nab\r\n",
+            b"+2\r\nab\r\n",
+            b"0x2\r\nab\r\n",
+            b"\r\n",  # an empty size line
+            b"1" * 17 + b"\r\n",  # more hex digits than the fast loop takes
+            b"1" * 21 + b"\r\n",
+            b"3\r\nabc\n",
+            b"",
+        ]
+    ),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    chunks=st.lists(chunk_forms, max_size=14),
+    points=st.lists(st.integers(0, 10_000), max_size=20),
+)
+def test_the_fast_reading_is_h11s(chunks: list[bytes], points: list[int]) -> None:
+    """``received`` cuts plain chunks out by itself: for any body (well formed or not)
+    cut into any reads, the same pieces, the same end, the same leftover and reuse, or
+    the same error, as h11 reading every byte."""
+    pieces = cuts(b"".join(chunks), points)
+    assert outcome(pieces, fast=True) == outcome(pieces, fast=False)
+
+
+def test_plain_chunks_are_cut_out_without_h11() -> None:
+    """The fast loop is taken (h11 never sees the chunks it cut out), a chunk left
+    incomplete at the end of a read is h11's, and the next read is fast again once h11
+    has finished that chunk."""
+    h = replied()
+    fed: list[bytes] = []
+    give = h.receive_data
+    h.receive_data = lambda data: (fed.append(data), give(data))[1]  # type: ignore[method-assign]
+    assert received(h, b"4\r\ntok|\r\n4\r\ntok|\r\n4\r\nto") == (b"tok|tok|to", False)
+    assert fed == [b"4\r\nto"] and h.trailing_data[0] == b""  # h11 waits for "k|\r\n"
+    assert received(h, b"k|\r\n3\r\nabc\r\n") == (b"k|abc", False)
+    assert fed[1:] == [b"k|\r\n"]  # the rest of its chunk; "3\r\nabc\r\n" was cut here
+    assert received(h, b"0\r\n\r\n") == (b"", True)
+    assert fed[2:] == [b"0\r\n\r\n"] and reusable(h)
 
 
 def test_one_read_of_many_chunks_is_one_piece() -> None:
