@@ -92,6 +92,7 @@ class Registry:
         # renamed, killed, closed): the tree reuses a listing of s/ while it holds.
         self.generation = 0
         self.on_kill: list[Callable[[Session], None]] = []  # called as each one goes
+        self.on_start: list[Callable[[Session], None]] = []  # each new one (not restored)
         # Every session object not yet freed, killed ones included (for the leak tests).
         self.alive: weakref.WeakSet[Session] = weakref.WeakSet()
         self.logs_dir = paths.state / "logs"
@@ -477,6 +478,8 @@ class Registry:
             self._restored.append(s)  # its task starts after the restore (see there)
         else:
             self._nursery.start_soon(s.run, name=f"session {s.uid}")
+            for hook in self.on_start:
+                hook(s)
 
     async def _start_restored(self, sessions: list[Session]) -> None:
         """Start the tasks of restored sessions, those with prompts queued first, a few

@@ -120,6 +120,23 @@ def test_restored_then_killed_sessions_are_freed(daemon_factory: Callable[..., D
     assert sorted(os.listdir(d.p("s"))) == ["idx", "new"]
 
 
+def test_sessions_made_while_running_are_frozen_and_still_freed(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Sessions made through s/new are frozen too (a full collection walked them all on
+    every round while they streamed); killed, they are freed all the same."""
+    d = daemon_factory()
+    d.start()
+    start = debug_counts(d)
+    names = [d.new(name=f"m{i:02d}") for i in range(40)]
+    d.wait_for(lambda: debug_counts(d).frozen > start.frozen + 40 * 100, timeout=60)
+    assert debug_counts(d).refreezes == start.refreezes  # a freeze of its own, no kill's
+    for name in names:
+        os.rmdir(d.p(f"s/{name}"))
+    d.wait_for(lambda: debug_counts(d).alive == 0, timeout=120)
+    assert sorted(os.listdir(d.p("s"))) == ["idx", "new"]
+
+
 def test_an_edited_profile_is_read_again(daemon_factory: Callable[..., Daemon]) -> None:
     """Built runtimes take the profile from a cache while its file stays the same."""
     d = daemon_factory()
