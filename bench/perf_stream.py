@@ -18,18 +18,23 @@ asserts nothing; every reference is measured in the same run. ``bench/perf.py`` 
     500 turns used. The server is a small one of this script that notes the time of the
     first ``recv`` of each request. Reference: an httpx client on a kept-alive connection,
     from the call to the first byte (what HTTP itself costs).
-(4) 200 sessions streaming at once, 200 tokens/s each: a pacer thread sends every stream
-    one token each 5 ms (a late tick sends the tokens it owes in one write); a ``cat``
-    per session follows ``stream`` into a file. Over a window in which every stream is
-    running: tokens offered (sent by the pacer) and
-    delivered (bytes the readers got / token size) per second, and the daemon's CPU.
+(4) many sessions streaming at once (200 at 200 tokens/s each, then 1,000 at 50): a pacer
+    sends every stream one token a tick (a late tick sends the tokens it owes in one
+    write); a ``cat`` per session follows ``stream`` into a file. Over a window in which
+    every stream is running: tokens offered (sent by the pacer) and delivered (bytes the
+    readers got / token size) per second, and CPU: the daemon's main thread (the event
+    loop that serves the tree), and the daemon's whole work (every thread, and the
+    network process's when the streams go through one).
 
-``STREAM_SESSIONS`` / ``STREAM_RATE`` / ``STREAM_TURNS`` change the sizes of (4) and (3);
-``STREAM_PARTS=13`` runs only sections (1) and (3).
+``STREAM_LOADS`` (``200x200,1000x50``: sessions x tokens/s, comma-separated) and
+``STREAM_TURNS`` change the sizes of (4) and (3);
+``STREAM_PARTS=13`` runs only sections (1) and (3); ``STREAM_MARK=path``: (4) writes the
+daemon's pid to ``path`` as each window starts (for a profiler, see bench/README.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
@@ -52,10 +57,17 @@ from olliefs.replay import ReplayServer, parse_script
 from olliefs.replay.script import Entry
 from olliefs.testing import Daemon, recv_request
 
-SESSIONS = int(os.environ.get("STREAM_SESSIONS", "200"))
-RATE = float(os.environ.get("STREAM_RATE", "200"))  # tokens per second per session
+# (4)'s loads: sessions x tokens per second each. The first is the earlier round's row;
+# the second a swarm of subagents (issue 24's row).
+LOADS = [
+    (int(n), float(r))
+    for n, r in (
+        part.split("x") for part in os.environ.get("STREAM_LOADS", "200x200,1000x50").split(",")
+    )
+]
 TURNS = int(os.environ.get("STREAM_TURNS", "500"))
 PARTS = os.environ.get("STREAM_PARTS", "1234")  # which of the sections below to run
+MARK = os.environ.get("STREAM_MARK", "")  # (4) writes the daemon's pid there as a window starts
 TOKENS = 200
 GAP = 0.01
 BIG = 10 * 1000 * 1000
@@ -252,7 +264,7 @@ class TinyServer:
     once, or, when ``paced``, hands the stream to the pacer (one token a tick)."""
 
     def __init__(
-        self, paced_tokens: int = 0, rate: float = RATE, token: str = "tok|", hold: int = 0
+        self, paced_tokens: int = 0, rate: float = 200.0, token: str = "tok|", hold: int = 0
     ) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
         self.port = self.sock.getsockname()[1]
@@ -396,16 +408,37 @@ def overhead_olliefs(d: Daemon, srv: TinyServer, turns: int, name: str = "turns"
 # ---- (4) many streams --------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pacer_process(conn: Connection, tokens: int, hold: int, shared: Any, started: Any) -> None:
+def daemon_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the daemon's main thread, and of the daemon with its children
+    (the network process) that are running now."""
+    whole = cpu_seconds(pid)
+    for child in children(pid):
+        with contextlib.suppress(OSError):
+            whole += cpu_seconds(child)
+    return cpu_seconds(pid, pid), whole
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def _pacer_process(
+    conn: Connection, tokens: int, hold: int, rate: float, shared: Any, started: Any
+) -> None:
     """The paced server, in a process of its own: in the bench's process its threads
     competed for one GIL with the measuring thread, which then woke seconds late."""
-    srv = TinyServer(paced_tokens=tokens, rate=RATE, hold=hold)
+    srv = TinyServer(paced_tokens=tokens, rate=rate, hold=hold)
     conn.send(srv.url)
     while True:
         with shared.get_lock():
@@ -416,13 +449,17 @@ def _pacer_process(conn: Connection, tokens: int, hold: int, shared: Any, starte
         time.sleep(0.005)
 
 
-def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[Row]:
-    tokens = int(RATE * (window + 3))
+def many_streams(
+    base: Path, replay: ReplayServer, sessions: int, rate: float, window: float = 3.0
+) -> list[Row]:
+    tokens = int(rate * (window + 3))
     ctx = multiprocessing.get_context("fork")
     shared = ctx.Array("q", 3)  # tokens sent, pacer rounds, fewest tokens left
     started = ctx.Event()
     ours, theirs = ctx.Pipe()
-    pacer = ctx.Process(target=_pacer_process, args=(theirs, tokens, SESSIONS, shared, started))
+    pacer = ctx.Process(
+        target=_pacer_process, args=(theirs, tokens, sessions, rate, shared, started)
+    )
     pacer.start()
     url = ours.recv()
     d = Daemon(base, replay, {"OLLIE_OPENAI_URL": url, "OLLIE_READ_TIMEOUT": "30"})
@@ -435,7 +472,7 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
             return shared[0], shared[1], shared[2]
 
     try:
-        sids = [d.new(name=f"m{i}") for i in range(SESSIONS)]
+        sids = [d.new(name=f"m{i}") for i in range(sessions)]
         for sid in sids:
             out = base / f"{sid}.out"
             outs.append(out)
@@ -453,11 +490,13 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
             return sum(p.read_bytes().count(b"tok|") for p in outs)
 
         time.sleep(0.5)  # every stream well started
-        (s0, k0, _), b0, c0, t0 = sample(), delivered(), cpu_seconds(pid), time.monotonic()
+        if MARK:  # a profiler waits for this file to attach to the daemon for the window
+            Path(MARK).write_text(f"{pid}\n")
+        (s0, k0, _), b0, (m0, c0), t0 = sample(), delivered(), daemon_cpu(pid), time.monotonic()
         time.sleep(window)
-        (s1, k1, left), b1, c1, t1 = sample(), delivered(), cpu_seconds(pid), time.monotonic()
+        (s1, k1, left), (m1, c1), t1 = sample(), daemon_cpu(pid), time.monotonic()
+        b1 = delivered()
         ticks = (k1 - k0) / (t1 - t0)
-        running = SESSIONS
     finally:
         pacer.kill()
         pacer.join()
@@ -468,16 +507,17 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
     dt = t1 - t0
     offered = (s1 - s0) / dt
     got = (b1 - b0) / dt
+    main = (m1 - m0) / dt * 100
     cpu = (c1 - c0) / dt * 100
-    note = f"{SESSIONS} sessions x {RATE:g} tok/s; window {dt:.1f} s; pacer {ticks:.0f} rounds/s"
-    note += f"; {running} streams running"
+    note = f"window {dt:.1f} s; pacer {ticks:.0f} rounds/s"
     # Offered but not yet at a reader when the window closed: how far behind they are.
-    note += f"; backlog at the end {max(0, s1 - b1) / SESSIONS / RATE * 1e3:.0f} ms of stream"
+    note += f"; backlog at the end {max(0, s1 - b1) / sessions / rate * 1e3:.0f} ms of stream"
     if left == 0:
         note += "; WARNING: some stream ended inside the window"
+    name = f"{sessions} streams x {rate:g} tok/s"
     return [
         Row(
-            "200 streams: tokens delivered/s",
+            f"{name}: tokens delivered/s",
             got,
             offered,
             "tok/s",
@@ -486,22 +526,31 @@ def many_streams(base: Path, replay: ReplayServer, window: float = 3.0) -> list[
             note,
         ),
         Row(
-            "200 streams: tokens offered/s",
+            f"{name}: tokens offered/s",
             offered,
-            SESSIONS * RATE,
+            sessions * rate,
             "tok/s",
             "= sessions x rate",
-            offered >= 0.98 * SESSIONS * RATE,
+            offered >= 0.98 * sessions * rate,
             "what the pacer sent",
         ),
         Row(
-            "200 streams: daemon CPU",
+            f"{name}: daemon main thread CPU",
+            main,
+            None,
+            "%",
+            "<= 40%",
+            main <= 40,
+            "utime+stime of the event loop's thread over the window, 100% = one core",
+        ),
+        Row(
+            f"{name}: daemon CPU, all of it",
             cpu,
             None,
             "%",
             "(printed)",
             None,
-            "utime+stime of the daemon over the window, 100% = one core",
+            "every thread of the daemon and its network process",
         ),
     ]
 
@@ -519,8 +568,9 @@ def rows() -> list[Row]:
         if "3" in PARTS:
             out += overhead(base / "b", srv)
         if "4" in PARTS:
-            (base / "c").mkdir()
-            out += many_streams(base / "c", srv)
+            for i, (sessions, rate) in enumerate(LOADS):
+                (base / f"c{i}").mkdir()
+                out += many_streams(base / f"c{i}", srv, sessions, rate)
     return out
 
 
