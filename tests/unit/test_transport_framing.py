@@ -169,7 +169,12 @@ def test_plain_chunks_are_cut_out_without_h11() -> None:
     h = replied()
     fed: list[bytes] = []
     give = h.receive_data
-    h.receive_data = lambda data: (fed.append(data), give(data))[1]  # type: ignore[method-assign]
+
+    def spy(data: bytes) -> None:
+        fed.append(data)
+        give(data)
+
+    h.receive_data = spy  # type: ignore[method-assign]
     assert received(h, b"4\r\ntok|\r\n4\r\ntok|\r\n4\r\nto") == (b"tok|tok|to", False)
     assert fed == [b"4\r\nto"] and h.trailing_data[0] == b""  # h11 waits for "k|\r\n"
     assert received(h, b"k|\r\n3\r\nabc\r\n") == (b"k|abc", False)
