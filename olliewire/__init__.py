@@ -56,9 +56,24 @@ class CallRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     review: bool = False  # the changes wait in the store's staged dir (not applied)
 
 
-class Content(msgspec.Struct, frozen=True):
+IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
+"""Image types a result carries to the model as images: what every backend with images
+takes (Anthropic's list, the narrowest). Others reach it as a saved file's line."""
+MAX_IMAGE = 3_750_000
+"""The largest image carried, in bytes: 5 MB once in base64, Anthropic's limit."""
+MAX_IMAGES = 8
+"""Images carried per result; the rest are saved files' lines only."""
+
+
+class Content(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One piece of a result, as MCP's content. ``type`` "image": ``data`` is the image
+    in base64 and ``mimeType`` its type, and ``text`` says what it is in a line, for
+    those who read the result as text (chat, events, a backend without images)."""
+
     text: str
     type: str = "text"
+    data: str = ""
+    mimeType: str = ""  # the wire name (MCP's)
 
 
 class CallResult(msgspec.Struct, frozen=True):

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from olliewire import CallResult, Content
+from olliewire import IMAGE_TYPES, MAX_IMAGE, MAX_IMAGES, CallResult, Content
 from toolsrv import sandbox
 from toolsrv.exec import ExecResult, Executor
 from toolsrv.protect import FILE_EVENTS, Inotify
@@ -809,48 +809,69 @@ def _error(text: str) -> CallResult:
 
 def render(result: types.CallToolResult, tmp: Path, server: str) -> CallResult:
     """What the model reads of an MCP result: text as is; a resource's text under its
-    URI; an image, audio or binary resource saved to the session's tmp dir, named there
-    (the wire between toolsrv and olliefs, and most providers' tool results, carry text);
-    structured content as JSON when there is no content."""
+    URI; an image, audio or binary resource saved to the session's tmp dir and named
+    there in a line; an image of a type every backend takes (``IMAGE_TYPES``, up to
+    ``MAX_IMAGE`` bytes, ``MAX_IMAGES`` of them) also carried as an image, which each
+    backend sends in the form its wire takes; structured content as JSON when there is
+    no content."""
     import mcp_types as types
 
-    parts: list[str] = []
+    parts: list[Content] = []
+    images = 0
     for block in result.content:
         if isinstance(block, types.TextContent):
-            parts.append(block.text)
-        elif isinstance(block, types.ImageContent | types.AudioContent):
-            parts.append(_saved(tmp, block.data, block.mime_type, block.type))
+            parts.append(Content(block.text))
+            continue
+        what: str
+        if isinstance(block, types.ImageContent | types.AudioContent):
+            data, mime, what = block.data, block.mime_type, block.type
         elif isinstance(block, types.EmbeddedResource):
             res = block.resource
             if isinstance(res, types.TextResourceContents):
-                parts.append(f"[resource {res.uri}]\n{res.text}")
-            else:
-                parts.append(_saved(tmp, res.blob, res.mime_type or "", f"resource {res.uri}"))
-        elif isinstance(block, types.ResourceLink):
-            parts.append(f"[resource link {block.uri}: {block.description or block.name}]")
+                parts.append(Content(f"[resource {res.uri}]\n{res.text}"))
+                continue
+            data, mime, what = res.blob, res.mime_type or "", f"resource {res.uri}"
+        else:  # a resource link (the content union's last kind)
+            parts.append(Content(f"[resource link {block.uri}: {block.description or block.name}]"))
+            continue
+        line, raw = _saved(tmp, data, mime, what)
+        if raw is not None and mime in IMAGE_TYPES and raw <= MAX_IMAGE and images < MAX_IMAGES:
+            images += 1
+            parts.append(Content(line, "image", data, mime))
+        else:
+            parts.append(Content(line))
     if not parts and result.structured_content is not None:
-        parts.append(msgspec.json.encode(result.structured_content).decode())
-    text = "\n".join(parts)
+        parts.append(Content(msgspec.json.encode(result.structured_content).decode()))
+    text = "\n".join(c.text for c in parts)
     if len(text) > MAX_TEXT:
-        text = f"{text[:MAX_TEXT]}\n[cut: {len(text) - MAX_TEXT} more characters were dropped]"
-    if not text and result.is_error:
-        text = f"the MCP server {server} reported an error without a message"
-    return CallResult([Content(text)], bool(result.is_error))
+        # Cut as before, as one text; the images (each under its own cap) stay.
+        cut = f"{text[:MAX_TEXT]}\n[cut: {len(text) - MAX_TEXT} more characters were dropped]"
+        parts = [Content(cut), *(Content("", "image", c.data, c.mimeType) for c in parts if c.data)]
+    elif not text and result.is_error:
+        parts = [Content(f"the MCP server {server} reported an error without a message")]
+    else:
+        # One text as before (lines joined by newlines), images in their place.
+        parts = [
+            Content(c.text + ("\n" if i < len(parts) - 1 else ""), c.type, c.data, c.mimeType)
+            for i, c in enumerate(parts)
+        ]
+    return CallResult(parts or [Content("")], bool(result.is_error))
 
 
-def _saved(tmp: Path, data: str, mime: str, what: str) -> str:
+def _saved(tmp: Path, data: str, mime: str, what: str) -> tuple[str, int | None]:
+    """The line that names the saved file, and its size (None: not valid base64)."""
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        return f"[{what} {mime}: not valid base64]"
+        return f"[{what} {mime}: not valid base64]", None
     ext = (mime.split("/")[-1] if "/" in mime else "bin").split("+")[0][:8] or "bin"
     digest = hashlib.sha256(raw).hexdigest()[:12]
     path = tmp / f"mcp-{digest}.{ext}"
     try:
         path.write_bytes(raw)
     except OSError as err:
-        return f"[{what} {mime}, {len(raw)} bytes: could not be saved: {err.strerror}]"
-    return f"[{what} {mime}, {len(raw)} bytes, saved as {path}]"
+        return f"[{what} {mime}, {len(raw)} bytes: could not be saved: {err.strerror}]", len(raw)
+    return f"[{what} {mime}, {len(raw)} bytes, saved as {path}]", len(raw)
 
 
 def _parse(line: bytes) -> SessionMessage | Exception:

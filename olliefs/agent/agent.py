@@ -448,7 +448,11 @@ class Agent:
         return f"{est} / {self.context_length} ({pct:.0f}%)\n"
 
     def context_text(self) -> str:
-        return "".join(_json.encode(m).decode() + "\n" for m in self.history.messages)
+        """The history as JSON lines; an image shows its type and size, not its data."""
+        return "".join(
+            _json.encode(_shown(m) if m.images else m).decode() + "\n"
+            for m in self.history.messages
+        )
 
     def tools_text(self) -> str:
         """``tools``: the loaded tools, with tier and parallel flag (SPEC 3.3)."""
@@ -475,3 +479,9 @@ class Agent:
                 text = f"[tool error] {why}"
                 self.emit("tool", text, name=call.name)
                 self.add_message(Message("tool", text, tool_call_id=call.id, name=call.name))
+
+
+def _shown(m: Message) -> Message:
+    return msgspec.structs.replace(
+        m, images=tuple(msgspec.structs.replace(i, data="") for i in m.images)
+    )

@@ -93,7 +93,7 @@ import msgspec
 import trio
 
 from olliefs.agent.dispatch import one_line_args
-from olliefs.agent.history import collapse, estimate_tokens, message_text
+from olliefs.agent.history import collapse, estimate_tokens, message_tokens
 from olliefs.agent.retry import RetryPolicy
 from olliefs.agent.taskstate import MAX_DECISIONS, MAX_FILES, TaskState, cut, fold, to_json
 from olliefs.backend.base import (
@@ -453,7 +453,7 @@ def _fit(
         m = before[i]
         if m.role == "tool" and i < last_assistant and m.tier in ("warm", "cold"):
             return REDUCED_TOKENS if m.tier == "warm" else estimate_tokens(collapse(m))
-        return estimate_tokens(message_text(m))
+        return message_tokens(m)
 
     sizes = [tokens(i) for i in range(len(before))]
     warm = warm_message(state.decisions)
@@ -666,7 +666,7 @@ def build(
         else:
             hot.append(m)
             continue
-        hot.append(msgspec.structs.replace(m, content=content, tier=SUMMARIZED))
+        hot.append(msgspec.structs.replace(m, content=content, tier=SUMMARIZED, images=()))
         reduced.append(f"#{i} {m.name}: {content}")
         dropped.append(_preview(i, m, "[summarized in place] "))
     messages = [cold, *([warm] if warm else []), *hot]

@@ -36,7 +36,7 @@ from olliefs.agent.cache import ReadCache, fingerprint
 from olliefs.agent.events import EventRole
 from olliefs.agent.hooks import HookEvent, HookResult
 from olliefs.agent.runtime import ToolLink
-from olliefs.backend.base import Message, ToolCall
+from olliefs.backend.base import Image, Message, ToolCall
 from olliefs.toolclient.client import ToolsrvError
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Outcome:
     tier: str = "hot"
     error: bool = False
     announced: bool = False  # its "-> tool(args)" line is in chat
+    images: tuple[Image, ...] = ()  # what the tool answered as images (an MCP tool's)
 
 
 @dataclass
@@ -163,7 +164,14 @@ def _release(rnd: Round, force: bool = False) -> None:
             text = ERROR_MARK + text
         rnd.host.emit("tool", text, name=o.call.name)
         rnd.host.add_message(
-            Message("tool", text, tool_call_id=o.call.id, name=o.call.name, tier=o.tier)
+            Message(
+                "tool",
+                text,
+                tool_call_id=o.call.id,
+                name=o.call.name,
+                tier=o.tier,
+                images=o.images,
+            )
         )
         rnd.shown += 1
 
@@ -246,6 +254,11 @@ async def _call(rnd: Round, o: Outcome, name: str, args: dict[str, Any]) -> None
     if cached is not None and not result.isError:
         rnd.cache.put(cached[0], before, cached[1], text)
     o.text, o.error = text, result.isError
+    o.images = tuple(
+        Image(c.mimeType, len(c.data) * 3 // 4 - c.data.count("=", -2), c.data)
+        for c in result.content
+        if c.type == "image" and c.data
+    )
 
 
 def _cut(text: str, host: ToolHost, call_id: str) -> str:

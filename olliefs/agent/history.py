@@ -54,6 +54,16 @@ def message_text(m: Message) -> str:
     return m.content + m.reasoning + "".join(c.name + c.arguments for c in m.tool_calls)
 
 
+IMAGE_TOKENS = 1600
+"""What an image is counted as: about what the providers bill for one of a megapixel
+(Anthropic: width x height / 750, scaled down to 1.15 megapixels at most)."""
+
+
+def message_tokens(m: Message) -> int:
+    """The estimate of one message: its text, and its images."""
+    return estimate_tokens(message_text(m)) + IMAGE_TOKENS * len(m.images)
+
+
 class History:
     """An agent's messages, with what every request needs of them kept up to date.
 
@@ -137,14 +147,14 @@ class History:
             m = out[i]
             known = self._collapsed.get(id(m))
             if known is None or known[0] is not m:
-                known = (m, msgspec.structs.replace(m, content=collapse(m)))
+                known = (m, msgspec.structs.replace(m, content=collapse(m), images=()))
                 self._collapsed[id(m)] = known
             out[i] = known[1]
         return out
 
     def _count(self, i: int, m: Message) -> None:
         text = message_text(m)
-        tokens = estimate_tokens(text)
+        tokens = estimate_tokens(text) + IMAGE_TOKENS * len(m.images)
         self._sums.append((self._sums[-1] if self._sums else 0) + tokens)
         if m.role == "assistant":
             self._last_assistant = i

@@ -469,7 +469,18 @@ def wire_messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[d
             blocks = _assistant_blocks(m)
         elif m.role == "tool":
             result: dict[str, Any] = {"type": "tool_result", "tool_use_id": m.tool_call_id}
-            if m.content:
+            if m.images:  # a tool result's content may be text and image blocks
+                result["content"] = [
+                    *([{"type": "text", "text": m.content}] if m.content else []),
+                    *(
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": i.mime, "data": i.data},
+                        }
+                        for i in m.images
+                    ),
+                ]
+            elif m.content:
                 result["content"] = m.content
             blocks = [result]
         else:

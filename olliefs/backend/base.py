@@ -51,6 +51,15 @@ class ToolCall(msgspec.Struct, frozen=True, gc=False):
 ProviderData = dict[str, Any]
 
 
+class Image(msgspec.Struct, frozen=True, gc=False):
+    """An image a tool result carries to the model: ``data`` in base64, ``size`` its
+    bytes. ``data`` empty: shown elsewhere without it (``context``), never sent."""
+
+    mime: str
+    size: int
+    data: str = ""
+
+
 class Message(msgspec.Struct, frozen=True, omit_defaults=True):
     role: Role
     content: str = ""
@@ -61,6 +70,9 @@ class Message(msgspec.Struct, frozen=True, omit_defaults=True):
     # Tool results only: how the result ages in the context (SPEC 4 result tiers). Never
     # sent to a provider; the wire formats pick their fields explicitly.
     tier: str = ""
+    # Tool results only: images the tool answered with, sent in the form each wire takes
+    # them (``content`` keeps a line per image for the wires without them).
+    images: tuple[Image, ...] = ()
     # See the module docstring. Set from the ``done`` event of the reply that made it.
     provider_data: ProviderData = msgspec.field(default_factory=dict)
 

@@ -274,6 +274,8 @@ def wire_contents(messages: list[Message]) -> tuple[list[dict[str, Any]], list[d
         elif m.role == "tool":
             response = {"name": m.name, "response": {"output": m.content}, "id": m.tool_call_id}
             role, parts = "user", [{"functionResponse": response}]
+            # The images go next to their response, as parts of the same content.
+            parts += [{"inlineData": {"mimeType": i.mime, "data": i.data}} for i in m.images]
         else:
             role, parts = "user", [{"text": m.content}] if m.content else []
         if not parts:

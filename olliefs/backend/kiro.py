@@ -321,6 +321,12 @@ def conversation(
             }
             context = user.setdefault("userInputMessageContext", {})
             context.setdefault("toolResults", []).append(result)
+            # Kiro's tool results are text: the images go with the user message that
+            # carries them, as its own images.
+            if m.images:
+                user.setdefault("images", []).extend(
+                    {"format": i.mime.split("/")[1], "source": {"bytes": i.data}} for i in m.images
+                )
         else:
             user["content"] = f"{user['content']}\n\n{m.content}" if user["content"] else m.content
     if not turns or "userInputMessage" not in turns[-1]:

@@ -181,6 +181,8 @@ def wire_message(message: Message) -> dict[str, Any]:
         ]
     if message.role == "tool" and message.name:
         wire["tool_name"] = message.name
+    if message.images:  # base64, as Ollama takes a message's images
+        wire["images"] = [i.data for i in message.images]
     return wire
 
 

@@ -430,6 +430,14 @@ def wire_message(message: Message) -> dict[str, Any]:
     """One message in the API's shape, and only with the fields the API defines for its
     role: strict OpenAI-compatible gateways refuse anything else with a 400."""
     wire: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.images and message.role == "user":  # (made by ``with_tool_images``)
+        wire["content"] = [
+            {"type": "text", "text": message.content},
+            *(
+                {"type": "image_url", "image_url": {"url": f"data:{i.mime};base64,{i.data}"}}
+                for i in message.images
+            ),
+        ]
     if message.tool_calls:
         wire["content"] = message.content or None
         wire["tool_calls"] = [
@@ -450,6 +458,33 @@ def wire_message(message: Message) -> dict[str, Any]:
     if isinstance(own, dict) and isinstance(details := own.get("reasoning_details"), list):
         wire["reasoning_details"] = details
     return wire
+
+
+def with_tool_images(messages: list[Message]) -> list[Message]:
+    """``messages`` with the images of tool results moved to a user message after them:
+    the API's tool messages carry text only (their text keeps a line per image)."""
+    if not any(m.images for m in messages):
+        return messages
+    out: list[Message] = []
+    held: list[Message] = []  # tool results with images since the last other message
+
+    def release() -> None:
+        if held:
+            names = ", ".join(f"{m.name} ({m.tool_call_id})" for m in held)
+            text = f"[the images of the tool results above: {names}]"
+            out.append(Message("user", text, images=tuple(i for m in held for i in m.images)))
+            held.clear()
+
+    for m in messages:
+        if m.role != "tool":
+            release()
+        if m.role == "tool" and m.images:
+            out.append(msgspec.structs.replace(m, images=()))
+            held.append(m)
+        else:
+            out.append(m)
+    release()
+    return out
 
 
 _ARGUMENTS = msgspec.json.Decoder(dict[str, Any])
@@ -490,6 +525,7 @@ def request_body(
     openrouter: bool = False,
     wire: WireCache | None = None,
 ) -> dict[str, Any]:
+    messages = with_tool_images(messages)
     body: dict[str, Any] = {
         "model": model,
         "messages": (

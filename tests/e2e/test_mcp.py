@@ -241,3 +241,100 @@ def test_stop_cuts_a_hanging_mcp_call_and_the_server_serves_the_next(daemon: Dae
     chat = daemon.read(f"s/{sid}/chat")
     assert "echo: still here" in chat.split("-> mcp_tiny_echo")[1], chat
     assert chat.endswith("assistant: done\n")
+
+
+PICS = """\
+import base64
+import mcp_types as types
+from mcp.server.mcpserver import MCPServer
+
+app = MCPServer("pics")
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+)
+
+@app.tool()
+def shot() -> list[types.TextContent | types.ImageContent]:
+    \"\"\"A picture of the plot.\"\"\"
+    return [
+        types.TextContent(type="text", text="the plot:"),
+        types.ImageContent(
+            type="image", data=base64.b64encode(PNG).decode(), mime_type="image/png"
+        ),
+    ]
+
+app.run()
+"""
+
+
+def image_sent(name: str, body: dict[str, Any]) -> str:
+    """The base64 image the request carries back with the tool's result, found where
+    ``name``'s wire puts it."""
+    if name == "anthropic":
+        for m in body["messages"]:
+            for b in m["content"]:
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    [img] = [c for c in b["content"] if c["type"] == "image"]
+                    assert img["source"]["media_type"] == "image/png"
+                    return str(img["source"]["data"])
+    elif name == "openai":
+        for m in body["messages"]:
+            if m["role"] == "user" and isinstance(m["content"], list):
+                [part] = [c for c in m["content"] if c["type"] == "image_url"]
+                url = str(part["image_url"]["url"])
+                assert url.startswith("data:image/png;base64,")
+                return url.removeprefix("data:image/png;base64,")
+    elif name == "gemini":
+        for c in body["contents"]:
+            for p in c["parts"]:
+                if "inlineData" in p:
+                    assert p["inlineData"]["mimeType"] == "image/png"
+                    return str(p["inlineData"]["data"])
+    elif name == "ollama":
+        for m in body["messages"]:
+            if m["role"] == "tool" and m.get("images"):
+                return str(m["images"][0])
+    raise AssertionError(f"no image in the {name} request")
+
+
+@pytest.mark.parametrize("name", ["anthropic", "openai", "gemini", "ollama"])
+def test_an_image_result_reaches_the_model_as_an_image(name: str, tmp_path: Path) -> None:
+    """An MCP tool answers with text and a PNG: the model gets the picture in its wire's
+    form (and the text with a line naming the saved file), in the request after the call
+    and, after a daemon restart, in the next one (the journal keeps it)."""
+    import base64
+
+    from olliefs.replay import ReplayServer
+    from olliefs.replay.script import Entry, EntryToolCall
+
+    with ReplayServer() as server:
+        d = Daemon(tmp_path, server, server.settings())
+        (tmp_path / "pics.py").write_text(PICS)
+        mcp = d.home / "config" / "mcp"
+        mcp.mkdir(parents=True)
+        (mcp / "pics.json").write_text(
+            json.dumps({"command": sys.executable, "args": [str(tmp_path / "pics.py")]})
+        )
+        server.add(
+            [
+                Entry(tool_calls=(EntryToolCall(name="mcp_pics_shot", arguments={}, id="c1"),)),
+                Entry(reply="a dot"),
+            ]
+        )
+        with d.running():
+            assert "mcp_pics_shot\t" in d.read("t/idx")  # (waits for the server's listing)
+            sid = d.new(name="p", backend=name, model="replay", cwd=str(d.work))
+            d.write(f"s/{sid}/ctl", "tool_load mcp_pics_shot")
+            d.prompt(sid, "look")
+            d.wait_idle(sid)
+            assert d.read(f"s/{sid}/chat").endswith("assistant: a dot\n")
+            sent = image_sent(name, server.recorded[-1].body)
+            png = base64.b64decode(sent, validate=True)
+            assert png.startswith(b"\x89PNG")
+            context = d.read(f"s/{sid}/context")
+            assert sent not in context and f'"mime":"image/png","size":{len(png)}' in context
+        server.add([Entry(reply="still a dot")])
+        with d.running():
+            d.prompt("p", "again")
+            d.wait_idle("p")
+        assert image_sent(name, server.recorded[-1].body) == sent
