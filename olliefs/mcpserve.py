@@ -27,7 +27,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -35,6 +35,9 @@ import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
+
+if TYPE_CHECKING:
+    import mcp_types as types
 
 __all__ = ["SessionTree", "build_server", "serve_http", "serve_stdio"]
 
@@ -291,10 +294,48 @@ class Watchers:
             self.following = False
 
 
+class _Server(MCPServer):
+    """``resources/list`` names each session's two resources besides the templates (a
+    client that lists resources, as most do, finds the sessions without knowing ids)."""
+
+    tree: SessionTree
+
+    async def list_resources(self) -> list[types.Resource]:
+        import mcp_types as types
+
+        out = await super().list_resources()
+        try:
+            index = await self.tree.read("s", "idx")
+        except TreeError:
+            return out  # (no daemon at the mount: the templates only)
+        for line in index.splitlines():
+            sid = line.partition("\t")[0]
+            if not sid:
+                continue
+            chat, context = Watchers.uris(sid)
+            out.append(
+                types.Resource(
+                    uri=chat,
+                    name=f"{sid}/chat",
+                    description=f"session {sid}: its conversation as text",
+                    mime_type="text/plain",
+                )
+            )
+            out.append(
+                types.Resource(
+                    uri=context,
+                    name=f"{sid}/context",
+                    description=f"session {sid}: the messages its next request sends",
+                    mime_type="application/x-ndjson",
+                )
+            )
+        return out
+
+
 def build_server(tree: SessionTree) -> MCPServer:
     """The MCP server: a tool per thing a user does to a session, resources per session."""
     watchers = Watchers(tree, InMemorySubscriptionBus())
-    app: MCPServer = MCPServer(
+    app = _Server(
         "olliefs",
         lifespan=lambda _app: watchers.running(),
         subscriptions=watchers.bus,
@@ -304,6 +345,7 @@ def build_server(tree: SessionTree) -> MCPServer:
             "back to it later (ids survive restarts)."
         ),
     )
+    app.tree = tree
 
     async def summary(sid: str) -> dict[str, Any]:
         watchers.ensure()  # (again after a daemon restart)

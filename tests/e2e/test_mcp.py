@@ -88,6 +88,12 @@ async def test_an_sdk_client_drives_sessions_through_ollie_mcp(daemon: Daemon) -
         assert {"session_create", "session_prompt", "session_chat", "session_fork"} <= names
         made = data(await client.call_tool("session_create", {"name": "m"}))
         assert made["session"] == "m" and made["state"] == "idle"
+        # Each session's resources are listed as they are, besides the templates.
+        listed = {str(r.uri): r for r in (await client.list_resources()).resources}
+        assert {"ollie://s/m/chat", "ollie://s/m/context"} <= set(listed)
+        assert listed["ollie://s/m/chat"].mime_type == "text/plain"
+        templates = (await client.list_resource_templates()).resource_templates
+        assert "ollie://s/{session}/chat" in {t.uri_template for t in templates}
         assert f"cwd={daemon.work}\n" in daemon.read("s/m/cfg")
         streamed: list[str] = []
 
