@@ -65,15 +65,15 @@ MAX_IMAGES = 8
 """Images carried per result; the rest are saved files' lines only."""
 
 
-class Content(msgspec.Struct, frozen=True, omit_defaults=True):
+class Content(msgspec.Struct, frozen=True):
     """One piece of a result, as MCP's content. ``type`` "image": ``data`` is the image
     in base64 and ``mimeType`` its type, and ``text`` says what it is in a line, for
     those who read the result as text (chat, events, a backend without images)."""
 
     text: str
     type: str = "text"
-    data: str = ""
-    mimeType: str = ""  # the wire name (MCP's)
+    data: str | msgspec.UnsetType = msgspec.UNSET  # (unset: not in the JSON)
+    mimeType: str | msgspec.UnsetType = msgspec.UNSET  # the wire name (MCP's)
 
 
 class CallResult(msgspec.Struct, frozen=True):

@@ -299,6 +299,17 @@ class McpServers:
             self._scan()
         return self._tools
 
+    def status(self) -> str:
+        """toolsrv's ``mcp`` file: a line per configured server, tab-separated: its name,
+        ``listed`` (its tools offered), ``listing`` (not yet) or ``failed``, how many tools
+        it offers, and why it failed (its file, its start, its listing), else empty."""
+        self.tools()
+        lines = []
+        for name, srv in sorted(self.servers.items()):
+            state = "failed" if srv.error else "listing" if srv.listing is None else "listed"
+            lines.append(f"{name}\t{state}\t{len(srv.tools)}\t{one_line(srv.error)}\n")
+        return "".join(lines)
+
     async def settled(self) -> None:
         """Wait (`LIST_WAIT` at most) for the listings under way, a new file's among them:
         a listing of ``tools/`` right after a server file was written shows its tools."""

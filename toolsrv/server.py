@@ -378,6 +378,9 @@ class ToolServer(BaseFileSystem[Node, Handle]):
     def _rev(self, node: Node) -> bytes:
         return f"{node.agent.tools.rev}\n".encode()
 
+    def _mcp_status(self, node: Node) -> bytes:
+        return b"" if self.mcp is None else self.mcp.status().encode()
+
     def _opened_new(self, handle: Handle) -> None:
         handle.proc = self._new_proc(handle.node.agent)
         handle.data = f"{handle.proc.n}\n".encode()
@@ -681,7 +684,11 @@ def _result_waits(handle: Handle) -> bool:
 
 
 TREE: dict[str, Kind] = {
-    "root": _dir("root", (("tools", "tools"), ("agent", "agent"), ("proc", "procdir"))),
+    "root": _dir(
+        "root", (("tools", "tools"), ("agent", "agent"), ("proc", "procdir"), ("mcp", "mcp"))
+    ),
+    # The MCP servers: listed, being listed or failed, and why (`McpServers.status`).
+    "mcp": Kind(snapshot=ToolServer._mcp_status, live=True),
     # A task per listing: it may wait for an MCP server's tools to be listed.
     "tools": replace(
         _dir("root", children=ToolServer._tools, child=ToolServer._tool_named),

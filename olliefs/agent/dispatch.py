@@ -257,7 +257,7 @@ async def _call(rnd: Round, o: Outcome, name: str, args: dict[str, Any]) -> None
     o.images = tuple(
         Image(c.mimeType, len(c.data) * 3 // 4 - c.data.count("=", -2), c.data)
         for c in result.content
-        if c.type == "image" and c.data
+        if c.type == "image" and isinstance(c.data, str) and isinstance(c.mimeType, str)
     )
 
 

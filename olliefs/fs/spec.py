@@ -509,18 +509,22 @@ def disk_dirs(reg: Registry) -> dict[str, Node]:
     )
     # Opening idx brings the catalogue up to date as a lookup in t/ does.
     tools_idx = Generated(("t", "idx"), reg.tools_idx_text, refresh=tools.prepare)
+    # MCP servers' files (toolsrv.mcp): config mcp/<name>.json, private (env may hold a
+    # token); toolsrv sees a change at its next look and lists the server again. Its idx:
+    # each server's state and why it failed, read with the catalogue (toolsrv's mcp).
+    mcp_files = Folder(
+        ("mcp",),
+        p.config / "mcp",
+        rules=Rules(writable=True, new_mode=0o600, guard=mcp_guard),
+        extra=lambda: {"idx": mcp_idx},
+        refused=reg.refused,
+    )
+    mcp_idx = Generated(("mcp", "idx"), reg.mcp_idx_text, refresh=reg.refresh_mcp)
     return {
         "m": Folder(("m",), p.memory, rules=data),
         "tmp": Folder(("tmp",), p.scratch, rules=Rules(writable=True, follow=False, tree=True)),
         "t": tools,
-        # MCP servers' files (toolsrv.mcp): config mcp/<name>.json, private (env may hold
-        # a token); toolsrv sees a change at its next look and lists the server again.
-        "mcp": Folder(
-            ("mcp",),
-            p.config / "mcp",
-            rules=Rules(writable=True, new_mode=0o600, guard=mcp_guard),
-            refused=reg.refused,
-        ),
+        "mcp": mcp_files,
         "p": Folder(("p",), p.config / "prompts", [shipped / "prompts"]),
         "sk": Skills(("sk",), p.config / "skills", reg.refused),
         "tr": Folder(

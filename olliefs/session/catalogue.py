@@ -208,6 +208,7 @@ class Tools:
         self.paths = paths
         self._tree_link = link
         self.catalogue: dict[str, tuple[ToolMeta, dict[str, Any]]] = {}
+        self.mcp_status = ""  # toolsrv's mcp file, read with the catalogue
         self._catalogue_at = -1e9
         self._catalogue_lock = trio.Lock()
 
@@ -255,6 +256,20 @@ class Tools:
             flag = "parallel" if meta.parallel else "serial"
             out.append(f"{name}\t{meta.description}\t{args}\t{meta.tier}\t{flag}\n")
         return "".join(out)
+
+    async def refresh_mcp(self) -> None:
+        """Read toolsrv's ``mcp`` file (at each open of ``mcp/idx``), after a listing of
+        its ``tools/``, which waits for the servers being listed (a file just written)."""
+        try:
+            conn = await self._tree_link.conn()
+            await conn.names()
+            self.mcp_status = await conn.mcp_status()
+        except ToolsrvError as err:
+            log.warning("MCP servers' state not read: %s", err)
+
+    def mcp_idx_text(self) -> str:
+        """``mcp/idx``: toolsrv's view of each MCP server (``McpServers.status``)."""
+        return self.mcp_status
 
     def tool_script(self, name: str) -> Path | None:
         """The script of a tool toolsrv serves, where this machine has it (user's first)."""

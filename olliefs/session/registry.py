@@ -126,6 +126,8 @@ class Registry:
         self.tool_meta = self.tools.tool_meta
         self.known_tools = self.tools.known_tools
         self.tools_idx_text = self.tools.tools_idx_text
+        self.mcp_idx_text = self.tools.mcp_idx_text
+        self.refresh_mcp = self.tools.refresh_mcp
         self.tool_script = self.tools.tool_script
         self.edits = Edits(self.checkpoints_root(), self.profile, self._conflict)
         self.check_rewind = self.edits.check_rewind

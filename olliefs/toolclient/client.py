@@ -71,6 +71,14 @@ class ToolsrvConn:
         except NinePError as err:
             raise ToolsrvError(f"toolsrv: tools/: {err.ename}") from None
 
+    async def mcp_status(self) -> str:
+        """toolsrv's ``mcp`` file: a line per MCP server, its state and why it failed
+        (empty from a toolsrv without the file, an older one)."""
+        try:
+            return (await self.client.read_all(self.root, "mcp")).decode(errors="replace")
+        except NinePError:
+            return ""
+
     async def meta(self, name: str) -> tuple[ToolMeta, dict[str, Any]]:
         got: dict[str, bytes] = {}
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -344,3 +346,34 @@ def test_an_image_result_reaches_the_model_as_an_image(name: str, tmp_path: Path
             d.prompt("p", "again")
             d.wait_idle("p")
         assert image_sent(name, server.recorded[-1].body) == sent
+
+
+def test_why_an_mcp_server_failed_is_in_the_tree(daemon: Daemon) -> None:
+    """A server that cannot start, and one whose file does not parse, are not only in
+    toolsrv's log: ``mcp/idx`` says each server's state and why it failed."""
+    from olliefs.testing import expect_log
+    from tests.toolsrv.test_mcp import TINY
+
+    expect_log(r"toolsrv\.mcp: MCP server left out: \S*/bad\.json: Expected `str`")
+    expect_log(r"toolsrv\.mcp: MCP server gone ended: the MCP server gone exited", logging.ERROR)
+    expect_log(r"toolsrv\.mcp: MCP server gone: the MCP server gone exited", logging.ERROR, None)
+    server = daemon.base / "tiny.py"
+    server.write_text(TINY)
+    mcp = daemon.home / "config" / "mcp"
+    mcp.mkdir(parents=True, exist_ok=True)
+    (mcp / "tiny.json").write_text(json.dumps({"command": sys.executable, "args": [str(server)]}))
+    (mcp / "gone.json").write_text(json.dumps({"command": "/nonexistent/mcp-server"}))
+    (mcp / "bad.json").write_text('{"command": 3}')
+    rows = {
+        line.split("\t")[0]: line.split("\t")[1:] for line in daemon.read("mcp/idx").splitlines()
+    }
+    assert rows["tiny"][:2] == ["listed", str(sum(1 for _ in TINY.split("@app.tool()")) - 1)]
+    assert rows["tiny"][2] == ""
+    assert rows["gone"][:2] == ["failed", "0"]
+    assert "exited (exit status 1)" in rows["gone"][2]
+    assert "No such file or directory" in rows["gone"][2]
+    assert rows["bad"][:2] == ["failed", "0"] and "bad.json" in rows["bad"][2]
+    assert "idx" not in {n.removesuffix(".json") for n in os.listdir(mcp)}  # not on disk
+    os.unlink(daemon.p("mcp/gone.json"))  # through the tree: idx reads toolsrv again
+    names = [line.split("\t")[0] for line in daemon.read("mcp/idx").splitlines()]
+    assert names == ["bad", "tiny"]

@@ -39,9 +39,11 @@ async def test_tree_and_metadata(srv: ToolsrvProc) -> None:
         c = conn.client
         assert sorted(st.name for st in await c.listdir(conn.root, "")) == [
             "agent",
+            "mcp",
             "proc",
             "tools",
         ]
+        assert await conn.mcp_status() == ""  # no MCP server configured
         names = await conn.names()
         for n in ("client_9p", "execute_code", "file_read", "memory_recall", "subagent_spawn"):
             assert n in names
