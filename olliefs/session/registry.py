@@ -91,6 +91,8 @@ class Registry:
         # Counts every change of which sessions s/ lists under which names (made,
         # renamed, killed, closed): the tree reuses a listing of s/ while it holds.
         self.generation = 0
+        # Counts the changes of any session's cost: a ``cost`` file shows its subagents'.
+        self.costs = 0
         self.on_kill: list[Callable[[Session], None]] = []  # called as each one goes
         # Every session object not yet freed, killed ones included (for the leak tests).
         self.alive: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -149,6 +151,9 @@ class Registry:
     async def fresh_context(self, s: Session) -> None:
         """``ctxsz`` shows the real context length from its first read on."""
         s.agent.context_length = await self.context_length(s.cfg.backend, s.cfg.model)
+
+    def costs_changed(self) -> None:
+        self.costs += 1
 
     def log_path(self, uid: str, kind: str) -> str | None:
         # A string: pathlib's ``/`` was a tenth of what restoring a session cost.
