@@ -378,11 +378,17 @@ def fs_rows(tmp: Path) -> list[Row]:
             # a checkout run with PYTHONDONTWRITEBYTECODE=1 compiles every module at
             # every start: ~130 ms more here).
             compiled()
-            t0 = time.perf_counter()
-            d.start()
-            while len(os.listdir(d.p("s"))) < SESSIONS + 2:
-                pass
-            mount = time.perf_counter() - t0
+            # The median of three starts: one start is one draw of the disk's and the
+            # scheduler's moods (0.29-0.32 s for the same code, five starts in a row).
+            starts = []
+            for _ in range(3):
+                d.stop()
+                t0 = time.perf_counter()
+                d.start()
+                while len(os.listdir(d.p("s"))) < SESSIONS + 2:
+                    pass
+                starts.append(time.perf_counter() - t0)
+            mount = p50(starts)
             rows.append(
                 Row(
                     f"mount-to-usable, {SESSIONS} saved",
@@ -391,7 +397,7 @@ def fs_rows(tmp: Path) -> list[Row]:
                     "s",
                     "< 0.3 s",
                     mount < 0.3,
-                    "from spawn to a full listing of s/; bytecode compiled; ref: reffs spawn",
+                    "spawn to a full listing of s/, median of 3 starts; compiled; ref: reffs spawn",
                 )
             )
         finally:
