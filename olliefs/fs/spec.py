@@ -114,8 +114,15 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
             stamp("plan"),
             version=version,
         ),
-        "err": text("err", lambda: s.last_error + ("\n" if s.last_error else "")),
-        "prompt.prev": text("prompt.prev", lambda: s.prompt_prev + ("\n" if s.prompt_prev else "")),
+        # Texts of one value are kept by that value itself.
+        "err": text(
+            "err", lambda: s.last_error + ("\n" if s.last_error else ""), kept=lambda: s.last_error
+        ),
+        "prompt.prev": text(
+            "prompt.prev",
+            lambda: s.prompt_prev + ("\n" if s.prompt_prev else ""),
+            kept=lambda: s.prompt_prev,
+        ),
         "chat": LogFile(("s", u, "chat"), s.chat),
         "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),
         "events": LogFile(("s", u, "events"), s.events, blocking=True),
@@ -141,10 +148,11 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
             refused=s.refused,
             version=_unchanging,
         ),
-        "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
+        "offset": text("offset", lambda: f"{s.renderer.offset}\n", kept=lambda: s.renderer.offset),
         "usage": text("usage", a.history.totals.usage_text),
         "cost": text("cost", lambda: reg.cost_text(s), kept=cost_version),
-        "ctxsz": text("ctxsz", a.ctxsz_text, lambda: reg.fresh_context(s)),
+        # The estimate counts the system prompt (the profile's file until it is built).
+        "ctxsz": text("ctxsz", a.ctxsz_text, lambda: reg.fresh_context(s), kept=prompt_version),
         "models": text("models", lambda: s.models_text, lambda: reg.fresh_models(s)),
         "context": text("context", a.context_text),
         "env": text("env", s.env_text),
@@ -164,7 +172,7 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
             ("s", u, "compactions"), s.compactions_dir(), "ignore", s.created, version
         ),
         "taskstate": text("taskstate", a.taskstate_text),
-        "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
+        "tcct": text("tcct", lambda: f"{a.tool_calls}\n", kept=lambda: a.tool_calls),
         "t": session_tools(reg, s, stamp("t/idx")),
         "checkpoints": CheckpointsDir(reg, s),
         "staged": ViewDir(
