@@ -305,6 +305,7 @@ class Operations(pyfuse3.Operations):
         self._parent.pop(ino, None)
         self._kept.pop(ino, None)
         self._versioned.pop(ino, None)
+        self._listings.pop(ino, None)  # a session directory's holds its session
         node = self._nodes.pop(ino, None)
         if node is not None and self._ino.get(node.key) == ino:
             del self._ino[node.key]
