@@ -39,7 +39,7 @@ from olliefs.fs.profiles import ProfilesDir
 from olliefs.session import checkpoints
 from olliefs.session.catalogue import CATALOGUE_MAX_AGE
 from olliefs.session.commands import help_text
-from olliefs.session.registry import NEW_TEMPLATE, Registry
+from olliefs.session.registry import NEW_TEMPLATE, Dormant, Registry
 from olliefs.session.session import MAX_PROMPT, Session
 from olliefs.settings import shipped_dir
 
@@ -404,6 +404,8 @@ class SessionsDir(Dir):
         # The node of each live session's directory, made once: a listing of s/ with
         # 1,000 sessions would otherwise make 1,000 of them (and as many weak references).
         self._dirs: dict[str, tuple[Session, SessionDir]] = {}
+        # The nodes of sessions listed from the index, not restored yet (by uid).
+        self._asleep: dict[str, SessionDir] = {}
         reg.on_kill.append(self._killed)
 
     def _fixed(self) -> dict[str, Node]:
@@ -463,8 +465,34 @@ class SessionsDir(Dir):
         d.presence = s.presence
         return d
 
+    def _dormant_dir(self, d: Dormant) -> SessionDir:
+        """``s/<id>`` of a session not restored yet: listed, looked up and stat'ed from
+        its index entry (the same attributes as once restored); looking into it restores
+        the session (``Registry.wake``), and it then shows that session's files."""
+        uid = d.entry.uid
+        node = self._asleep.get(uid)
+        if node is not None:
+            return node
+        reg = self.reg
+
+        def children() -> dict[str, Node]:
+            s = reg.wake(d)
+            return self._session_dir(s).children() if s is not None else {}
+
+        def live() -> bool:
+            if d.session is not None:
+                return not d.session.closed
+            return reg.dormant.get(d.entry.id) is d
+
+        node = SessionDir(("s", uid), children, live, born=d.entry.created)
+        node.presence = d.presence  # the restored session's, for the name's cache
+        if len(self._asleep) > len(reg.dormant):
+            self._asleep = {u: n for u, n in self._asleep.items() if n.live()}
+        self._asleep[uid] = node
+        return node
+
     def nlink(self) -> int:
-        return 2 + len(self.reg.sessions)
+        return 2 + len(self.reg.sessions) + len(self.reg.dormant)
 
     def attrs_version(self) -> Hashable:
         return self.reg.generation  # nlink and mtime: the sessions made and gone
@@ -479,18 +507,22 @@ class SessionsDir(Dir):
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         yield from self._fixed().items()
-        sessions = self.reg.sessions
+        sessions, dormant = self.reg.sessions, self.reg.dormant
         if len(self._dirs) > len(sessions):
             self._forget_gone()
-        for sid in sorted(sessions):
-            yield sid, self._session_dir(sessions[sid])
+        for sid in sorted([*sessions, *dormant]):
+            s = sessions.get(sid)
+            yield sid, self._session_dir(s) if s is not None else self._dormant_dir(dormant[sid])
 
     def lookup(self, name: str) -> Node | None:
         fixed = self._fixed()
         if name in fixed:
             return fixed[name]
         s = self.reg.sessions.get(name)
-        return self._session_dir(s) if s else None
+        if s is not None:
+            return self._session_dir(s)
+        d = self.reg.dormant.get(name)
+        return self._dormant_dir(d) if d is not None else None
 
     async def rmdir(self, name: str) -> None:
         rest = self.reg.kill(self.reg.get(name))

@@ -201,6 +201,7 @@ class Session:
         self._nursery: trio.Nursery | None = None
         self.closed = False
         self._replaying = False
+        self._announce = True  # events go to the root events too (see ``replay``)
         # History index where each turn began (its prompt), for ``rewind``.
         self.turn_starts: list[int] = []
         self.branches = 0  # how many rewinds kept a branch
@@ -331,7 +332,8 @@ class Session:
         self.revision += 1
         self.renderer.render(ev)
         self.events.append(line)
-        self.host.events.append(line)
+        if self._announce:
+            self.host.events.append(line)
 
     def set_state(self, state: str) -> None:
         if self.state.set(state):
@@ -1005,10 +1007,13 @@ class Session:
 
     # ---- restore --------------------------------------------------------------------
 
-    def replay(self, records: list[Record]) -> None:
+    def replay(self, records: list[Record], *, announce: bool = True) -> None:
         """Rebuild the session from its journal (without writing to it again): each
-        record goes to its entry of ``REPLAY``, the one table of record kinds."""
+        record goes to its entry of ``REPLAY``, the one table of record kinds.
+        ``announce``: its events go to the root ``events`` too (at the start; not for a
+        session restored at its first use, whose past is not news by then)."""
         self._replaying = True
+        self._announce = announce
         r = _Replayed()
         streamed, lost = r.streamed, r.lost
         started, ended, prompts, dropped = r.started, r.ended, r.prompts, r.dropped
@@ -1020,6 +1025,7 @@ class Session:
                     step(self, rec, r)
         finally:
             self._replaying = False
+            self._announce = True
             self.revision += 1
             self.host.costs_changed()
         # Writing on from here, the journal's next message is packed against the events
