@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
+
+import py9p
 
 from olliefs.testing import Daemon
 from tests.conftest import script
+from tests.e2e.test_export9p import exported, py9p_listing, py9p_read_all, wait_left_clean
 from tests.fs.test_load import debug_counts
 
 FILES = ("chat", "state", "usage", "cost", "cfg", "env", "context", "tcct", "prompt.prev")
@@ -130,3 +135,39 @@ def test_the_journal_is_read_where_the_index_is_not_the_truth(
     assert "assistant: after the index" in d.read("s/idle01/chat")
     assert sorted(os.listdir(d.p("s"))).count("idle01") == 1
     assert "idle01\tidle\t" in d.read("s/idx")
+
+
+def test_a_9p_walk_into_a_saved_session_restores_it(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    sockdir = Path(tempfile.mkdtemp(prefix="o9p-", dir="/tmp"))  # a unix socket's path: short
+    try:
+        walk_after_restart(daemon_factory, sockdir / "9p")
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def walk_after_restart(daemon_factory: Callable[..., Daemon], sock: Path) -> None:
+    d = exported(daemon_factory, "--9p", f"unix:{sock}")
+    d.replay.add(script('{"reply": "seen over 9P later"}'))
+    d.new(name="w")
+    d.prompt("w", "hello")
+    d.wait_idle("w")
+    chat = d.read("s/w/chat")
+    d.stop()
+    d.start()
+    with py9p.Client.connect_unix(str(sock)) as cl:
+        cl.negotiate()
+        cl.attach(0, uname="someone", aname="")
+        cl.walk(0, 1, "s")
+        cl.open(1)
+        assert "w" in py9p_listing(cl, 1)
+        cl.clunk(1)
+        assert debug_counts(d).alive == 0  # listed over 9P from the index
+        cl.walk(0, 2, "s/w/chat")
+        _, iounit = cl.open(2)
+        assert py9p_read_all(cl, 2, iounit).decode() == chat
+        cl.clunk(2)
+        cl.clunk(0)
+    assert debug_counts(d).alive == 1
+    wait_left_clean(d)
