@@ -46,11 +46,13 @@ REPEAT = int(os.environ.get("PERF_REPEAT", "3000"))  # per small-operation figur
 READERS = int(os.environ.get("PERF_READERS", "1000"))  # blocked readers for the idle figure
 # Where the filesystems and the client run while the small operations are timed: "split"
 # (both filesystems on the first CPU, the client on the last), "same" (all on the last),
-# or "none" (wherever the scheduler puts them). A round trip between two CPUs costs a
-# wake-up of the other (on this VM ~40 us more than on one CPU), and unpinned each run
-# drew its own placement for each filesystem: ratios of 0.5x to 5x from one run to the
-# next, for the same code. Pinned, both sides pay the same.
-PIN = os.environ.get("PERF_PIN", "split")
+# or "none" (wherever the scheduler puts them); a comma-separated list times the small
+# operations once per placement, in that order, the rows of all but the first named
+# after theirs. A round trip between two CPUs costs a wake-up of the other (on this VM
+# ~40 us more than on one CPU), and unpinned each run draws its own placement for each
+# filesystem: pinned, both sides pay the same; unpinned is what a user's machine does.
+# Both by default: the issue judges open+read+close in both.
+PINS = [p for p in os.environ.get("PERF_PIN", "split,none").split(",") if p]
 # Which parts to run: "fs" (this file's rows), "stream" (bench/perf_stream.py's: streams,
 # journal, runtime latency, many streams), "toolsrv" (bench/bench_toolsrv.py's: a call
 # against a bare spawn of the same tool script); all three by default.
@@ -152,19 +154,19 @@ def in_turns(
 
 
 @contextmanager
-def pinned(*servers: int) -> Iterator[str]:
-    """Pin ``servers`` (every thread) and this thread as ``PIN`` says; yields a note."""
+def pinned(pin: str, *servers: int) -> Iterator[str]:
+    """Pin ``servers`` (every thread) and this thread as ``pin`` says; yields a note."""
     cpus = sorted(os.sched_getaffinity(0))
-    if PIN == "none" or len(cpus) < 2:
+    if pin == "none" or len(cpus) < 2:
         yield "unpinned"
         return
-    server_cpu, client_cpu = (cpus[0], cpus[-1]) if PIN == "split" else (cpus[-1], cpus[-1])
+    server_cpu, client_cpu = (cpus[0], cpus[-1]) if pin == "split" else (cpus[-1], cpus[-1])
     for pid in servers:
         for tid in os.listdir(f"/proc/{pid}/task"):
             os.sched_setaffinity(int(tid), {server_cpu})
     os.sched_setaffinity(0, {client_cpu})
     try:
-        yield f"pinned {PIN}: servers on CPU {server_cpu}, client on CPU {client_cpu}"
+        yield f"pinned {pin}: servers on CPU {server_cpu}, client on CPU {client_cpu}"
     finally:
         os.sched_setaffinity(0, cpus)
         for pid in servers:
@@ -281,6 +283,40 @@ def compiled() -> None:
 # ---- the run -----------------------------------------------------------------------------
 
 
+def small_ops(d: Daemon, ref: Path, sids: list[str], suffix: str, placement: str) -> list[Row]:
+    """The operations timed against the reference in turns, under one placement; the
+    rows' names end with ``suffix`` (the placement, for all but the first)."""
+    rows: list[Row] = []
+    ours_f, ref_f = d.p(f"s/{sids[1]}/state"), ref / "s" / "0001" / "state"
+    o, r = in_turns(stat_of(ours_f), stat_of(ref_f), REPEAT)
+    rows += pair(f"stat s/<id>/state{suffix}", us(o), us(r), "us", 1.5, placement)
+    o, r = in_turns(cat(ours_f), cat(ref_f), REPEAT)
+    rows += pair(f"open+read+close state{suffix}", us(o), us(r), "us", 1.5)
+    # A session's directory, of the same shape in both (names, kinds and about the sizes
+    # of an idle session's files): what ls, a shell's completion and a file manager do.
+    ours_s, ref_s = d.p(f"s/{sids[1]}"), ref / "s" / "0001"
+    entries = len(os.listdir(ours_s))
+    if entries != len(os.listdir(ref_s)):
+        raise RuntimeError(f"reffs's session directory is not of olliefs's shape: {entries}")
+    o, r = in_turns(listdir(ours_s), listdir(ref_s), max(20, REPEAT // 10))
+    rows += pair(f"readdir s/<id>/ ({entries} entries){suffix}", us(o), us(r), "us", 2)
+    o, r = in_turns(listdir(d.p("s")), listdir(ref / "s"), max(20, REPEAT // 100))
+    rows += pair(f"readdir s/ ({SESSIONS} sessions){suffix}", us(o), us(r), "us", 2)
+    ls_o, ls_r = in_turns(ls_l(d.p("s")), ls_l(ref / "s"), 10)
+    rows.append(
+        Row(
+            f"ls -l s/ ({SESSIONS} sessions){suffix} p50",
+            p50(ls_o) * 1e3,
+            p50(ls_r) * 1e3,
+            "ms",
+            "< 100 ms",
+            p50(ls_o) < 0.1,
+            "ls process start included, in both",
+        )
+    )
+    return rows
+
+
 def fs_rows(tmp: Path) -> list[Row]:
     exe = build_ref(tmp)
     rows: list[Row] = []
@@ -300,73 +336,68 @@ def fs_rows(tmp: Path) -> list[Row]:
             # Idle sessions: let a collection settle what creating them left.
             time.sleep(1)
             per = (rss_kib(d.proc.pid) - before) / (SESSIONS - 1)
-            with (
-                reffs(exe, tmp / "ref", SESSIONS) as (ref_mount_s, ref_pid),
-                pinned(d.proc.pid, ref_pid) as placement,
-            ):
+            with reffs(exe, tmp / "ref", SESSIONS) as (ref_mount_s, ref_pid):
                 ref = tmp / "ref"
-                ours_f, ref_f = d.p(f"s/{sids[1]}/state"), ref / "s" / "0001" / "state"
-                o, r = in_turns(stat_of(ours_f), stat_of(ref_f), REPEAT)
-                rows += pair("stat s/<id>/state", us(o), us(r), "us", 1.5, placement)
-                o, r = in_turns(cat(ours_f), cat(ref_f), REPEAT)
-                rows += pair("open+read+close state", us(o), us(r), "us", 1.5)
-                n = max(20, REPEAT // 100)
-                o, r = in_turns(listdir(d.p("s")), listdir(ref / "s"), n)
-                rows += pair(f"readdir s/ ({SESSIONS} sessions)", us(o), us(r), "us", 2)
-                ls_o, ls_r = in_turns(ls_l(d.p("s")), ls_l(ref / "s"), 10)
-                rows.append(
-                    Row(
-                        f"ls -l s/ ({SESSIONS} sessions) p50",
-                        p50(ls_o) * 1e3,
-                        p50(ls_r) * 1e3,
-                        "ms",
-                        "< 100 ms",
-                        p50(ls_o) < 0.1,
-                        "ls process start included, in both",
-                    )
-                )
-                rows.append(Row("RSS per idle session", per, None, "KiB", "< 50 KiB", per < 50))
-                # Other operations with READERS reads blocked in the daemon, then idle CPU.
-                cat_before = us(timed(cat(ours_f), REPEAT))
-                with blocked_readers(d, sids, READERS):
-                    cat_with = us(timed(cat(ours_f), REPEAT))
-                    c0, t0 = cpu_seconds(d.proc.pid), time.monotonic()
-                    time.sleep(3)
-                    cpu = (cpu_seconds(d.proc.pid) - c0) / (time.monotonic() - t0) * 100
-                    rows.append(
-                        Row(f"idle CPU, {READERS} blocked readers", cpu, None, "%", "< 2%", cpu < 2)
-                    )
-                    rows.append(
-                        Row(
-                            f"open+read+close with {READERS} readers p50",
-                            p50(cat_with),
-                            p50(cat_before),
-                            "us",
-                            "<= 1.2x without",
-                            within(p50(cat_with), p50(cat_before), 1.2),
-                            "ref: the same without readers",
+                ours_f = d.p(f"s/{sids[1]}/state")
+                for i, pin in enumerate(PINS):
+                    with pinned(pin, d.proc.pid, ref_pid) as placement:
+                        rows += small_ops(d, ref, sids, "" if i == 0 else f", {pin}", placement)
+                with pinned(PINS[0], d.proc.pid, ref_pid):
+                    rows.append(Row("RSS per idle session", per, None, "KiB", "< 50 KiB", per < 50))
+                    # Other operations with READERS reads blocked in the daemon, then idle CPU.
+                    cat_before = us(timed(cat(ours_f), REPEAT))
+                    with blocked_readers(d, sids, READERS):
+                        cat_with = us(timed(cat(ours_f), REPEAT))
+                        c0, t0 = cpu_seconds(d.proc.pid), time.monotonic()
+                        time.sleep(3)
+                        cpu = (cpu_seconds(d.proc.pid) - c0) / (time.monotonic() - t0) * 100
+                        rows.append(
+                            Row(
+                                f"idle CPU, {READERS} blocked readers",
+                                cpu,
+                                None,
+                                "%",
+                                "< 2%",
+                                cpu < 2,
+                            )
                         )
-                    )
+                        rows.append(
+                            Row(
+                                f"open+read+close with {READERS} readers p50",
+                                p50(cat_with),
+                                p50(cat_before),
+                                "us",
+                                "<= 1.2x without",
+                                within(p50(cat_with), p50(cat_before), 1.2),
+                                "ref: the same without readers",
+                            )
+                        )
             d.stop()
             # Mount-to-usable: the saved sessions restored and s/ listed whole. With the
             # bytecode compiled, as an installed package has it (pip compiles at install;
             # a checkout run with PYTHONDONTWRITEBYTECODE=1 compiles every module at
             # every start: ~130 ms more here).
             compiled()
-            t0 = time.perf_counter()
-            d.start()
-            while len(os.listdir(d.p("s"))) < SESSIONS + 2:
-                pass
-            mount = time.perf_counter() - t0
+            # The median of three starts: one start is one draw of the disk's and the
+            # scheduler's moods (0.29-0.32 s for the same code, five starts in a row).
+            starts = []
+            for _ in range(3):
+                d.stop()
+                t0 = time.perf_counter()
+                d.start()
+                while len(os.listdir(d.p("s"))) < SESSIONS + 2:
+                    pass
+                starts.append(time.perf_counter() - t0)
+            mount = p50(starts)
             rows.append(
                 Row(
                     f"mount-to-usable, {SESSIONS} saved",
                     mount,
                     ref_mount_s,
                     "s",
-                    "< 0.5 s",
-                    mount < 0.5,
-                    "from spawn to a full listing of s/; bytecode compiled; ref: reffs spawn",
+                    "< 0.3 s",
+                    mount < 0.3,
+                    "spawn to a full listing of s/, median of 3 starts; compiled; ref: reffs spawn",
                 )
             )
         finally:

@@ -56,8 +56,8 @@ static const struct file files[] = {
 	{"tcct", 2, 0444},
 };
 #define NFILES ((int)(sizeof(files) / sizeof(files[0])))
-static const char *subdirs[] = {"branches", "peer", "compactions"};
-#define NSUB 3
+static const char *subdirs[] = {"branches", "peer", "compactions", "t", "checkpoints", "staged"};
+#define NSUB 6
 
 static int nsessions;
 static double dir_attr, file_attr, entry_ttl, session_entry_ttl;

@@ -42,6 +42,8 @@ class ToolLink:
         self.tools: list[Tool] = []
         self.catalogue: dict[str, ToolMeta] = {}
         self.rev = -1
+        # Counts the changes of ``wanted`` and ``metas`` (what ``tools`` shows).
+        self.version = 0
         self._pushed: list[str] | None = None
         self._conn: ToolsrvConn | None = None
         self._closed = trio.Event()
@@ -55,6 +57,7 @@ class ToolLink:
 
     def set_wanted(self, names: list[str]) -> None:
         self.wanted = list(names)
+        self.version += 1
 
     async def conn(self) -> ToolsrvConn:
         """The live connection; a new one (toolsrv respawned if need be) when it was lost."""
@@ -155,6 +158,7 @@ class ToolLink:
                         name = cmd.split(" ", 1)[1]
                         if cmd.startswith("load ") and name in self.wanted:
                             self.wanted.remove(name)
+                            self.version += 1
                             self.on_dropped(name, str(err))
         self._pushed = list(self.wanted)
 
@@ -170,6 +174,7 @@ class ToolLink:
             if n in infos
         ]
         self.rev = rev
+        self.version += 1
         log.debug("tools of %s rebuilt at rev %d: %s", self.agent_id, rev, loaded)
 
 

@@ -28,7 +28,10 @@ comes here costs a round trip through Python. So the kernel may cache (for
   ``ctl`` that renamed or killed) waits for the drain before it returns, so the old name
   is gone when ``echo kill > ctl`` returns.
 * everything else (synthetic text rendered from the runtime's state, files on disk) is
-  not cached: each stat comes here.
+  not cached by the kernel: each stat comes here. Nodes with an ``attrs_version``
+  (a session's texts: ``Session.files_version``) have their attributes kept here with
+  that version, and handed out again while it holds: a stat or a listing of a session
+  directory renders nothing unless what the file shows changed.
 
 xattr operations answer ENOSYS, which the kernel remembers for the mount: ``ls -l`` asks
 for two attributes per entry, and would otherwise pay two round trips for each.
@@ -128,6 +131,9 @@ class Operations(pyfuse3.Operations):
         # Attributes built once and handed out again: of nodes with fixed_attrs for as
         # long as the kernel knows them, of watched nodes until their source changes.
         self._kept: dict[int, pyfuse3.EntryAttributes] = {}
+        # Attributes of nodes with an ``attrs_version``, with the version they were made
+        # at: handed out again while it holds (a stat or a listing renders nothing).
+        self._versioned: dict[int, tuple[Hashable, pyfuse3.EntryAttributes]] = {}
         self._entry_watched: set[tuple[int, str]] = set()
         # Entries to invalidate, by a worker thread (see the module's docstring).
         self._stale_entries: list[tuple[int, str]] = []
@@ -176,10 +182,18 @@ class Operations(pyfuse3.Operations):
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         ino = self._inode(node)
         a = self._kept.get(ino)
-        if a is None:
-            a = self._make_attrs(node, ino)
-            if node.fixed_attrs or ino in self._attr_watched:
-                self._kept[ino] = a
+        if a is not None:
+            return a
+        version = node.attrs_version()
+        if version is not None:
+            got = self._versioned.get(ino)
+            if got is not None and got[0] == version:
+                return got[1]
+        a = self._make_attrs(node, ino)
+        if node.fixed_attrs or ino in self._attr_watched:
+            self._kept[ino] = a
+        elif version is not None:
+            self._versioned[ino] = (version, a)
         return a
 
     def _make_attrs(self, node: Node, ino: int) -> pyfuse3.EntryAttributes:
@@ -290,6 +304,8 @@ class Operations(pyfuse3.Operations):
         self._epoch += 1
         self._parent.pop(ino, None)
         self._kept.pop(ino, None)
+        self._versioned.pop(ino, None)
+        self._listings.pop(ino, None)  # a session directory's holds its session
         node = self._nodes.pop(ino, None)
         if node is not None and self._ino.get(node.key) == ino:
             del self._ino[node.key]
@@ -388,6 +404,7 @@ class Operations(pyfuse3.Operations):
             )
         if not node.fixed_attrs:
             self._kept.pop(inode, None)
+            self._versioned.pop(inode, None)
         return self._attrs(node)
 
     # ---- extended attributes: none (ENOSYS: the kernel stops asking) ------------------

@@ -194,6 +194,13 @@ class Node:
         """What announces every change of this node's size and mtime (None: nothing)."""
         return None
 
+    def attrs_version(self) -> Hashable | None:
+        """A value that changes whenever this node's size or mtime may have: while it
+        stays equal, the attributes made last are still right, and the frontend hands
+        them out again without rendering the content (a listing of a session's
+        directory renders nothing). None: no such value (made at each stat)."""
+        return None
+
     def entry_watch(self) -> Watchable | None:
         """What announces that this node may have left its name (renamed, removed)
         behind the kernel's back; None where the name is only changed through the
@@ -377,12 +384,17 @@ class Text(File):
     refresh: Callable[[], Awaitable[None]] | None = None
     stamp: Stamp | None = None
     source: Watchable | None = None  # announces each change of the rendered text
+    # Changes whenever the rendered text may have (``Node.attrs_version``).
+    version: Callable[[], Hashable | None] | None = None
 
     def size(self) -> int:
         return len(self.render().encode())
 
     def watch(self) -> Watchable | None:
         return self.source
+
+    def attrs_version(self) -> Hashable | None:
+        return None if self.version is None else self.version()
 
     def stat(self) -> tuple[int, int]:
         data = self.render().encode()
@@ -471,6 +483,11 @@ class Control(File):
     # Where a refusal made here (not by ``apply``) is reported: the session's or the
     # root ``err``.
     refused: Callable[[str], None] | None = None
+    # Changes whenever the rendered text may have (``Node.attrs_version``).
+    version: Callable[[], Hashable | None] | None = None
+
+    def attrs_version(self) -> Hashable | None:
+        return None if self.version is None else self.version()
 
     @property
     def name(self) -> str:
@@ -575,6 +592,7 @@ class PromptIn(File):
     perm: int = 0o222
     live: Callable[[], bool] = lambda: True
     attr_ttl = CACHED_TTL  # always empty, never changes
+    fixed_attrs = True
 
     def valid(self) -> bool:
         return self.live()
@@ -762,6 +780,11 @@ class Collected(File):
     stamp: Stamp | None = None
     perm: int = 0o666
     direct_io = True
+    # Changes whenever the rendered text may have (``Node.attrs_version``).
+    version: Callable[[], Hashable | None] | None = None
+
+    def attrs_version(self) -> Hashable | None:
+        return None if self.version is None else self.version()
 
     def stat(self) -> tuple[int, int]:
         data = self.render().encode()
@@ -885,6 +908,7 @@ class StateWait(File):
     cell: StateCell
     gone: Callable[[], bool]
     attr_ttl = CACHED_TTL  # reads as one value per open; stats as empty, always
+    fixed_attrs = True
 
     def valid(self) -> bool:
         return not self.gone()
@@ -938,6 +962,7 @@ class FifoOut(File):
     # still take it first, as with a pipe).
     queued: Callable[[], bool] = lambda: False
     attr_ttl = CACHED_TTL  # stats as empty, always
+    fixed_attrs = True
 
     def valid(self) -> bool:
         return not self.gone()
@@ -1037,6 +1062,12 @@ class DiskDir(Dir):
     removal: Literal["ignore", "deny"] = "deny"
     # The mtime while the folder does not exist yet (a session's birth): not 1970.
     born: float = STARTED
+    # Changes whenever the folder's nlink or mtime may have (``Node.attrs_version``): a
+    # folder only the daemon writes, with a change of its own it counts.
+    version: Callable[[], Hashable | None] | None = None
+
+    def attrs_version(self) -> Hashable | None:
+        return None if self.version is None else self.version()
 
     async def unlink(self, name: str) -> None:
         if self.removal == "deny":

@@ -39,7 +39,7 @@ from olliefs.fs.profiles import ProfilesDir
 from olliefs.session import checkpoints
 from olliefs.session.catalogue import CATALOGUE_MAX_AGE
 from olliefs.session.commands import help_text
-from olliefs.session.registry import NEW_TEMPLATE, Registry
+from olliefs.session.registry import NEW_TEMPLATE, Dormant, Registry
 from olliefs.session.session import MAX_PROMPT, Session
 from olliefs.settings import shipped_dir
 
@@ -72,10 +72,28 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
             got = stamps[name] = Stamp(s.created)
         return got
 
+    # What each text's size is kept by (``Node.attrs_version``): the session's changes,
+    # and for some what other parts hold (toolsrv's catalogue, the subagents' costs).
+    version = s.files_version
+    tools = reg.tools
+
+    def with_tools() -> Hashable:
+        return (version(), tools.version)
+
+    def prompt_version() -> Hashable | None:
+        # Before the runtime is built the prompt is the profile's file, read as it is.
+        return None if a.prompt is None else with_tools()
+
+    def cost_version() -> Hashable:
+        return (version(), reg.generation, reg.costs)
+
     def text(
-        name: str, render: Callable[[], str], refresh: Callable[[], Awaitable[None]] | None = None
+        name: str,
+        render: Callable[[], str],
+        refresh: Callable[[], Awaitable[None]] | None = None,
+        kept: Callable[[], Hashable | None] = version,
     ) -> Text:
-        return Text(("s", u, name), render, live, refresh, stamp(name))
+        return Text(("s", u, name), render, live, refresh, stamp(name), version=kept)
 
     return {
         "prompt": PromptIn(("s", u, "prompt"), s.submit, s.refused, MAX_PROMPT, live=live),
@@ -88,10 +106,23 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
             lambda: bool(s.queue),
         ),
         "plan": Collected(
-            ("s", u, "plan"), s.set_plan, lambda: s.plan, s.refused, live, stamp("plan")
+            ("s", u, "plan"),
+            s.set_plan,
+            lambda: s.plan,
+            s.refused,
+            live,
+            stamp("plan"),
+            version=version,
         ),
-        "err": text("err", lambda: s.last_error + ("\n" if s.last_error else "")),
-        "prompt.prev": text("prompt.prev", lambda: s.prompt_prev + ("\n" if s.prompt_prev else "")),
+        # Texts of one value are kept by that value itself.
+        "err": text(
+            "err", lambda: s.last_error + ("\n" if s.last_error else ""), kept=lambda: s.last_error
+        ),
+        "prompt.prev": text(
+            "prompt.prev",
+            lambda: s.prompt_prev + ("\n" if s.prompt_prev else ""),
+            kept=lambda: s.prompt_prev,
+        ),
         "chat": LogFile(("s", u, "chat"), s.chat),
         "stream": LogFile(("s", u, "stream"), s.chat, blocking=True),
         "events": LogFile(("s", u, "events"), s.events, blocking=True),
@@ -107,23 +138,41 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
             live=live,
             stamp=stamp("cfg"),
             refused=s.refused,
+            version=version,
         ),
-        "ctl": Control(("s", u, "ctl"), s.ctl, live=live, stamp=stamp("ctl"), refused=s.refused),
-        "offset": text("offset", lambda: f"{s.renderer.offset}\n"),
+        "ctl": Control(
+            ("s", u, "ctl"),
+            s.ctl,
+            live=live,
+            stamp=stamp("ctl"),
+            refused=s.refused,
+            version=_unchanging,
+        ),
+        "offset": text("offset", lambda: f"{s.renderer.offset}\n", kept=lambda: s.renderer.offset),
         "usage": text("usage", a.history.totals.usage_text),
-        "cost": text("cost", lambda: reg.cost_text(s)),
-        "ctxsz": text("ctxsz", a.ctxsz_text, lambda: reg.fresh_context(s)),
+        "cost": text("cost", lambda: reg.cost_text(s), kept=cost_version),
+        # The estimate counts the system prompt (the profile's file until it is built).
+        "ctxsz": text("ctxsz", a.ctxsz_text, lambda: reg.fresh_context(s), kept=prompt_version),
         "models": text("models", lambda: s.models_text, lambda: reg.fresh_models(s)),
         "context": text("context", a.context_text),
         "env": text("env", s.env_text),
-        "tools": text("tools", a.tools_text, fresh),
-        "systemprompt": text("systemprompt", a.systemprompt_text, lambda: _ready(s, fresh)),
-        "tail": Script(("s", u, "tail"), s.tail_script, live, stamp=stamp("tail")),
-        "branches": DiskDir(("s", u, "branches"), reg.branches_dir(s), "ignore", s.created),
+        "tools": text("tools", a.tools_text, fresh, kept=with_tools),
+        "systemprompt": text(
+            "systemprompt", a.systemprompt_text, lambda: _ready(s, fresh), kept=prompt_version
+        ),
+        "tail": Script(
+            ("s", u, "tail"), s.tail_script, live, stamp=stamp("tail"), version=_unchanging
+        ),
+        # Written by the daemon only, at a rewind (a record of the session's).
+        "branches": DiskDir(
+            ("s", u, "branches"), reg.branches_dir(s), "ignore", s.created, version
+        ),
         "peer": PeerDir(reg, s),
-        "compactions": DiskDir(("s", u, "compactions"), s.compactions_dir(), "ignore", s.created),
+        "compactions": DiskDir(
+            ("s", u, "compactions"), s.compactions_dir(), "ignore", s.created, version
+        ),
         "taskstate": text("taskstate", a.taskstate_text),
-        "tcct": text("tcct", lambda: f"{a.tool_calls}\n"),
+        "tcct": text("tcct", lambda: f"{a.tool_calls}\n", kept=lambda: a.tool_calls),
         "t": session_tools(reg, s, stamp("t/idx")),
         "checkpoints": CheckpointsDir(reg, s),
         "staged": ViewDir(
@@ -136,6 +185,10 @@ def session_files(reg: Registry, s: Session, stamps: dict[str, Stamp]) -> dict[s
             s.created,
         ),
     }
+
+
+def _unchanging() -> Hashable:
+    return 0
 
 
 def _staged(reg: Registry, s: Session, what: str) -> str:
@@ -160,9 +213,20 @@ class CheckpointsDir(Dir):
         self.key = ("s", s.uid, "checkpoints")
         self.reg = reg
         self.s = s
+        self._st = checkpoints.store(reg.checkpoints_root(), s.uid)
 
     def _store(self) -> checkpoints.Store:
-        return checkpoints.store(self.reg.checkpoints_root(), self.s.uid)
+        return self._st
+
+    def attrs_version(self) -> Hashable:
+        # A turn's directory appears when toolsrv wrote its first record, before the
+        # call's answer reached the session (whose message is a record of its own);
+        # the records' folder's mtime for the rest (a seal, a review).
+        try:
+            mtime = os.stat(self._st.rec).st_mtime_ns
+        except OSError:
+            mtime = 0
+        return (self.s.revision, mtime)
 
     def _turn_text(self, turn: int, sealed: bool = False) -> str:
         s = self.s
@@ -222,6 +286,8 @@ class ViewDir(StaticDir):
     """A read-only view inside a session directory: unlink and rmdir succeed and do
     nothing, so ``rm -r`` of the session goes through."""
 
+    fixed_attrs = True  # files only (nlink 2), born with it
+
     async def unlink(self, name: str) -> None:
         pass
 
@@ -242,6 +308,7 @@ class PeerDir(Dir):
 
     perm = 0o755
     entry_ttl = 0.0  # families change as sessions come and go
+    fixed_attrs = True  # files only (nlink 2), the daemon's start as mtime
 
     def __init__(self, reg: Registry, s: Session) -> None:
         self.key = ("s", s.uid, "peer")
@@ -309,6 +376,11 @@ class SessionDir(StaticDir):
     def nlink(self) -> int:
         return 2 + len(SESSION_SUBDIRS)
 
+    def listing_version(self) -> Hashable:
+        # The names are declared, the nodes bound to the session for its life: they
+        # change only when it ends (and then none is valid any more).
+        return self.live()
+
     async def unlink(self, name: str) -> None:
         pass
 
@@ -332,6 +404,8 @@ class SessionsDir(Dir):
         # The node of each live session's directory, made once: a listing of s/ with
         # 1,000 sessions would otherwise make 1,000 of them (and as many weak references).
         self._dirs: dict[str, tuple[Session, SessionDir]] = {}
+        # The nodes of sessions listed from the index, not restored yet (by uid).
+        self._asleep: dict[str, SessionDir] = {}
         reg.on_kill.append(self._killed)
 
     def _fixed(self) -> dict[str, Node]:
@@ -391,8 +465,37 @@ class SessionsDir(Dir):
         d.presence = s.presence
         return d
 
+    def _dormant_dir(self, d: Dormant) -> SessionDir:
+        """``s/<id>`` of a session not restored yet: listed, looked up and stat'ed from
+        its index entry (the same attributes as once restored); looking into it restores
+        the session (``Registry.wake``), and it then shows that session's files."""
+        uid = d.entry.uid
+        node = self._asleep.get(uid)
+        if node is not None:
+            return node
+        reg = self.reg
+
+        def children() -> dict[str, Node]:
+            s = reg.wake(d)
+            return self._session_dir(s).children() if s is not None else {}
+
+        def live() -> bool:
+            if d.session is not None:
+                return not d.session.closed
+            return reg.dormant.get(d.entry.id) is d
+
+        node = SessionDir(("s", uid), children, live, born=d.entry.created)
+        node.presence = d.presence  # the restored session's, for the name's cache
+        if len(self._asleep) > len(reg.dormant):
+            self._asleep = {u: n for u, n in self._asleep.items() if n.live()}
+        self._asleep[uid] = node
+        return node
+
     def nlink(self) -> int:
-        return 2 + len(self.reg.sessions)
+        return 2 + len(self.reg.sessions) + len(self.reg.dormant)
+
+    def attrs_version(self) -> Hashable:
+        return self.reg.generation  # nlink and mtime: the sessions made and gone
 
     def listing_version(self) -> Hashable:
         # Sessions come, go and are renamed only through the registry, which counts it;
@@ -404,18 +507,22 @@ class SessionsDir(Dir):
 
     def entries(self) -> Iterable[tuple[str, Node]]:
         yield from self._fixed().items()
-        sessions = self.reg.sessions
+        sessions, dormant = self.reg.sessions, self.reg.dormant
         if len(self._dirs) > len(sessions):
             self._forget_gone()
-        for sid in sorted(sessions):
-            yield sid, self._session_dir(sessions[sid])
+        for sid in sorted([*sessions, *dormant]):
+            s = sessions.get(sid)
+            yield sid, self._session_dir(s) if s is not None else self._dormant_dir(dormant[sid])
 
     def lookup(self, name: str) -> Node | None:
         fixed = self._fixed()
         if name in fixed:
             return fixed[name]
         s = self.reg.sessions.get(name)
-        return self._session_dir(s) if s else None
+        if s is not None:
+            return self._session_dir(s)
+        d = self.reg.dormant.get(name)
+        return self._dormant_dir(d) if d is not None else None
 
     async def rmdir(self, name: str) -> None:
         rest = self.reg.kill(self.reg.get(name))
@@ -458,6 +565,8 @@ def session_tools(reg: Registry, s: Session, stamp: Stamp) -> Dir:
 class SessionToolsDir(StaticDir):
     """Removal inside succeeds and does nothing, so that ``rm -r s/<id>`` reaches the
     session's rmdir (SPEC 3.7), as in the other directories of a session."""
+
+    fixed_attrs = True  # files only (nlink 2), born with the session
 
     async def unlink(self, name: str) -> None:
         pass

@@ -210,6 +210,7 @@ class Tools:
         self.catalogue: dict[str, tuple[ToolMeta, dict[str, Any]]] = {}
         self.mcp_status = ""  # toolsrv's mcp file, read with the catalogue
         self._catalogue_at = -1e9
+        self.version = 0  # counts the reads of the catalogue (what t/idx and tools show)
         self._catalogue_lock = trio.Lock()
 
     async def refresh_tools(self, max_age: float = 0.0, probe: Sequence[str] = ()) -> None:
@@ -230,6 +231,7 @@ class Tools:
                 if probe:
                     await conn.metas(list(probe))
                 self.catalogue = await conn.metas(await conn.names())
+                self.version += 1
             except ToolsrvError as err:
                 log.warning("tool catalogue not read: %s", err)
                 return

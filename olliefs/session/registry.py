@@ -31,8 +31,9 @@ from olliefs.errors import (
     disk_error,
     short_reason,
 )
-from olliefs.live import GrowingLog
+from olliefs.live import GrowingLog, StateCell
 from olliefs.session import checkpoints, persist, views
+from olliefs.session import index as session_index
 from olliefs.session.catalogue import Backends, Profiles, Tools
 from olliefs.session.commands import split_request
 from olliefs.session.complete import Completer
@@ -84,6 +85,9 @@ class Registry:
         self.mountpoint = mountpoint
         self._nursery = nursery
         self.sessions: dict[str, Session] = {}
+        # Saved sessions listed from the index and restored at their first use (``wake``).
+        self.dormant: dict[str, Dormant] = {}
+        self._indexed = False  # the index was written (at the stop)
         self._reserved: set[str] = set()  # names of sessions being created
         self.max_depth = _int(settings.get("OLLIE_SUBAGENT_DEPTH"), 3)
         self.last_error = ""  # the root ``err`` file: last refused write outside a session
@@ -91,6 +95,8 @@ class Registry:
         # Counts every change of which sessions s/ lists under which names (made,
         # renamed, killed, closed): the tree reuses a listing of s/ while it holds.
         self.generation = 0
+        # Counts the changes of any session's cost: a ``cost`` file shows its subagents'.
+        self.costs = 0
         self.on_kill: list[Callable[[Session], None]] = []  # called as each one goes
         self.on_start: list[Callable[[Session], None]] = []  # each new one (not restored)
         # Every session object not yet freed, killed ones included (for the leak tests).
@@ -153,6 +159,9 @@ class Registry:
         """``ctxsz`` shows the real context length from its first read on."""
         s.agent.context_length = await self.context_length(s.cfg.backend, s.cfg.model)
 
+    def costs_changed(self) -> None:
+        self.costs += 1
+
     def log_path(self, uid: str, kind: str) -> str | None:
         # A string: pathlib's ``/`` was a tenth of what restoring a session cost.
         return f"{self._logs}/{uid}.{kind}"
@@ -160,13 +169,24 @@ class Registry:
     # ---- the tree's texts over the sessions (``olliefs.session.views``) --------------
 
     def family(self, s: Session) -> list[Session]:
+        self._wake_all([sid for sid in self.dormant if views.related(s.id, sid)])
         return views.family(self.sessions, s)
 
     def children(self, s: Session) -> list[Session]:
+        self._wake_all([sid for sid in self.dormant if views.descends(s.id, sid)])
         return views.children(self.sessions, s)
 
     def cost_text(self, s: Session) -> str:
-        return views.cost_text(self.sessions, s)
+        # A subagent not restored yet counts with the cost its index entry has.
+        costs = [
+            (o.id, o.agent.history.totals.session_cost)
+            for o in self.sessions.values()
+            if views.descends(s.id, o.id)
+        ]
+        costs += [
+            (sid, d.entry.cost) for sid, d in self.dormant.items() if views.descends(s.id, sid)
+        ]
+        return views.cost_text(s, costs)
 
     def _conflict(self, reason: str) -> None:
         self.last_error = short_reason(reason)
@@ -185,7 +205,7 @@ class Registry:
             raise InvalidRequest(
                 f"bad session name: {name!r} (letters, digits, '.', '_', '-'; not new/idx)"
             )
-        if name in self.sessions or name in self._reserved:
+        if name in self.sessions or name in self.dormant or name in self._reserved:
             raise Exists(f"session name taken: {name}")
         depth = name.count(SUB)
         if depth > self.max_depth:
@@ -197,16 +217,25 @@ class Registry:
     # ---- texts ----------------------------------------------------------------------
 
     def idx_text(self) -> str:
-        return views.idx_text(self.sessions)
+        listed: dict[str, views.Listed] = {sid: d.entry for sid, d in self.dormant.items()}
+        listed.update(self.sessions)
+        return views.idx_text(listed)
 
     def backends_text(self) -> str:
         return self.backends.pool.backends_text()
 
     def get(self, sid: str) -> Session:
-        try:
-            return self.sessions[sid]
-        except KeyError:
-            raise NotFound(f"no such session: {sid}") from None
+        s = self.find(sid)
+        if s is None:
+            raise NotFound(f"no such session: {sid}")
+        return s
+
+    def find(self, sid: str) -> Session | None:
+        """The session named ``sid``, restored now if it was not yet (``wake``)."""
+        s = self.sessions.get(sid)
+        if s is None and sid in self.dormant:
+            s = self.wake(self.dormant[sid])
+        return s
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -229,7 +258,7 @@ class Registry:
         values["cwd"] = resolve_cwd(values["cwd"])
         caller.check_dir(values["cwd"], "s/new: cwd")
         name = values.get("name", "")
-        parent = self.sessions.get(name.rpartition(SUB)[0]) if SUB in name else None
+        parent = self.find(name.rpartition(SUB)[0]) if SUB in name else None
         if "agent" in values:
             caller.check(
                 parent is not None and parent.cfg.agent == values["agent"],
@@ -597,7 +626,11 @@ class Registry:
         for cut in self.paths.sessions.glob(".*.jsonl.tmp"):  # a create cut by a crash
             log.warning("%s: session creation cut by a crash; removed", cut)
             cut.unlink(missing_ok=True)
+        indexed = session_index.take(self.paths.sessions)
         for path in sorted(self.paths.sessions.glob("*.jsonl")):
+            entry = indexed.get(path.stem)
+            if entry is not None and self._asleep(entry, path):
+                continue
             try:
                 records = persist.restore_journal(path)
                 if not records and path.stat().st_size == 0:
@@ -615,18 +648,101 @@ class Registry:
             except (OSError, ValueError) as err:
                 log.error("%s: cannot restore: %s", path, err)
                 continue
-            if s.id in self.sessions:
+            if s.id in self.sessions or s.id in self.dormant:
                 log.error("%s: duplicate session id %s; left alone", path, s.id)
                 s.journal.close()
                 continue
             self._start(s)
-        log.info("restored %d sessions", len(self.sessions))
+        log.info(
+            "restored %d sessions, %d more at their first use",
+            len(self.sessions),
+            len(self.dormant),
+        )
+
+    def _asleep(self, entry: session_index.Entry, path: Path) -> bool:
+        """Whether the session of ``path`` is listed from its index ``entry`` (its journal
+        is as the entry says), to be restored at its first use."""
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        if not entry.matches(st) or entry.id in self.dormant or entry.id in self.sessions:
+            return False
+        self.dormant[entry.id] = Dormant(entry, path)
+        return True
+
+    def wake(self, d: Dormant) -> Session | None:
+        """Restore the session of ``d`` from its journal (its first use since the start);
+        None if it cannot be (the reason is logged, and it leaves the tree)."""
+        if self.dormant.get(d.entry.id) is not d:
+            return d.session
+        del self.dormant[d.entry.id]
+        self._membership_changed()  # s/ lists the restored session's own node from here
+        try:
+            records = persist.restore_journal(d.path)
+            if not records or not isinstance(records[0], persist.Create):
+                raise ValueError("no create record")
+            s = self._from_create(records[0], persist.Journal(d.path))
+            # Its past is not news: the root events has what happened since the start.
+            s.replay(records[1:], announce=False)
+        except (OSError, ValueError) as err:
+            log.error("%s: cannot restore: %s", d.path, err)
+            return None
+        if s.id in self.sessions:
+            log.error("%s: duplicate session id %s; left alone", d.path, s.id)
+            s.journal.close()
+            return None
+        s.presence = d.presence  # the tree watches the name of s/<id> through it
+        d.session = s
+        self._start(s)
+        return s
+
+    def _wake_all(self, ids: list[str]) -> None:
+        for sid in ids:
+            d = self.dormant.get(sid)
+            if d is not None:
+                self.wake(d)
+
+    def _write_index(self, idle: list[Session]) -> None:
+        """At the stop: the index of the sessions idle at rest (``olliefs.session.index``)."""
+        entries = [d.entry for d in self.dormant.values()]  # their journals were not opened
+        for s in idle:
+            try:
+                st = s.journal.path.stat()
+            except OSError:
+                continue
+            c = s.cfg
+            cost = s.agent.history.totals.session_cost
+            entries.append(
+                session_index.Entry(
+                    s.uid,
+                    s.id,
+                    s.created,
+                    c.agent,
+                    c.backend,
+                    c.model,
+                    c.cwd,
+                    cost,
+                    st.st_size,
+                    st.st_mtime_ns,
+                    st.st_ino,
+                )
+            )
+        session_index.write(self.paths.sessions, entries)
 
     async def aclose(self) -> None:
         """Close every session and backend; safe to call again (signal, then shutdown)."""
+        idle = [
+            s
+            for s in self.sessions.values()
+            if not s.closed and not s.running and not s.queue and s.state.value == "idle"
+        ]
         for s in list(self.sessions.values()):
             s.close()
             s.journal.close()
+        if not self._indexed:
+            self._indexed = True
+            self._write_index([s for s in idle if s.journal.error is None])
         self.generation += 1  # closed sessions are no longer valid in the tree
         self._tree_link.close()
         for link in self._shell_links.values():
@@ -636,6 +752,27 @@ class Registry:
         if self.backends.made is not None:
             with trio.CancelScope(shield=True):
                 await self.backends.made.aclose()
+
+
+class Dormant:
+    """A saved session listed from the index, its journal not read yet."""
+
+    __slots__ = ("_session", "entry", "path", "presence")
+
+    def __init__(self, entry: session_index.Entry, path: Path) -> None:
+        self.entry = entry
+        self.path = path
+        self.presence = StateCell()  # handed to the session when it is restored
+        # Once restored (weak: the tree's node of s/<id> holds this past the session).
+        self._session: weakref.ref[Session] | None = None
+
+    @property
+    def session(self) -> Session | None:
+        return None if self._session is None else self._session()
+
+    @session.setter
+    def session(self, s: Session) -> None:
+        self._session = weakref.ref(s)
 
 
 def _set_aside(logs: Path) -> list[Path]:

@@ -153,6 +153,9 @@ class SessionHost(Protocol):
 
     def log_path(self, uid: str, kind: str) -> str | None: ...
 
+    def costs_changed(self) -> None:
+        """A session's cost changed (its own ``cost`` and its ancestors' show it)."""
+
 
 class Session:
     def __init__(
@@ -179,6 +182,10 @@ class Session:
         # tree's cue to check what the kernel caches of that name. (The events log said
         # as much, but it changes at every streamed delta, and each change cost a lookup.)
         self.presence = StateCell()
+        # Counts the changes of what the session's files show (each journal record, each
+        # event, the runtime built, the models read): the tree keeps their sizes while
+        # it holds (``files_version``), so that a stat or a listing renders nothing.
+        self.revision = 0
         self.prompt_prev = ""
         self.queue: deque[tuple[int, str]] = deque()
         self._queue_lot = trio.lowlevel.ParkingLot()
@@ -194,12 +201,13 @@ class Session:
         self._nursery: trio.Nursery | None = None
         self.closed = False
         self._replaying = False
+        self._announce = True  # events go to the root events too (see ``replay``)
         # History index where each turn began (its prompt), for ``rewind``.
         self.turn_starts: list[int] = []
         self.branches = 0  # how many rewinds kept a branch
         self.last_error = ""  # the reason of the last refused write (the ``err`` file)
         self.plan = ""
-        self.models_text = ""  # the ``models`` file (filled from the backend pool)
+        self._models_text = ""  # the ``models`` file (filled from the backend pool)
         self.queued = trio.lowlevel.ParkingLot()  # fifo.out readers wait here
         # The profile's runtime (prompt, hooks, allowTools) is built at the first need
         # (``ready``), not at start: see ``run``.
@@ -232,6 +240,24 @@ class Session:
         self.agent.max_session_cost = _cost_cap(host.settings.get("OLLIE_MAX_SESSION_COST"))
 
     # ---- identity and derived texts -------------------------------------------------
+
+    @property
+    def models_text(self) -> str:
+        return self._models_text
+
+    @models_text.setter
+    def models_text(self, text: str) -> None:
+        self._models_text = text
+        self.revision += 1
+
+    def files_version(self) -> tuple[int, int, int]:
+        """Changes whenever a text of the session's directory may have (but ``cost``,
+        which its subagents' costs change too, and ``systemprompt`` before the runtime
+        is built, which the profile's file on disk gives): the journal's records and the
+        events bump ``revision``; the context length and the loaded tools' metadata are
+        set after awaits of their own, without either, and are read as they are."""
+        a = self.agent
+        return (self.revision, a.context_length, a.link.version)
 
     @property
     def cfg(self) -> Cfg:
@@ -280,6 +306,7 @@ class Session:
         """``rec`` to the journal. ``strict``: the first record of a request, made before
         the request changes anything, so that a ``DiskError`` refuses it whole; otherwise
         a record the disk refuses waits in the journal's backlog."""
+        self.revision += 1
         if not self._replaying:
             self.journal.append(self._streamed.pack(rec), strict=strict)
 
@@ -302,9 +329,11 @@ class Session:
         self._show(ev, line)
 
     def _show(self, ev: Event, line: bytes) -> None:
+        self.revision += 1
         self.renderer.render(ev)
         self.events.append(line)
-        self.host.events.append(line)
+        if self._announce:
+            self.host.events.append(line)
 
     def set_state(self, state: str) -> None:
         if self.state.set(state):
@@ -315,6 +344,7 @@ class Session:
 
     def usage_added(self, usage: Usage, cost: float, estimated: bool) -> None:
         self.record(persist.UsageRec(usage, cost, estimated))
+        self.host.costs_changed()
 
     async def checkpoint(self) -> None:
         await self.sync()
@@ -876,6 +906,7 @@ class Session:
 
     def _adopt(self, rt: Runtime) -> None:
         """What of a built profile lives only in memory: rebuilt at every start."""
+        self.revision += 1
         self.agent.allow_tools = rt.allow_tools
         self.agent.prompt = rt.prompt
         self.agent.hooks = dict(rt.hooks)
@@ -976,10 +1007,13 @@ class Session:
 
     # ---- restore --------------------------------------------------------------------
 
-    def replay(self, records: list[Record]) -> None:
+    def replay(self, records: list[Record], *, announce: bool = True) -> None:
         """Rebuild the session from its journal (without writing to it again): each
-        record goes to its entry of ``REPLAY``, the one table of record kinds."""
+        record goes to its entry of ``REPLAY``, the one table of record kinds.
+        ``announce``: its events go to the root ``events`` too (at the start; not for a
+        session restored at its first use, whose past is not news by then)."""
         self._replaying = True
+        self._announce = announce
         r = _Replayed()
         streamed, lost = r.streamed, r.lost
         started, ended, prompts, dropped = r.started, r.ended, r.prompts, r.dropped
@@ -991,6 +1025,9 @@ class Session:
                     step(self, rec, r)
         finally:
             self._replaying = False
+            self._announce = True
+            self.revision += 1
+            self.host.costs_changed()
         # Writing on from here, the journal's next message is packed against the events
         # the replay ended with (a restored journal ends where a turn ended or was cut, so
         # this is normally empty; it matters only for a journal cut between the two).
