@@ -55,7 +55,7 @@ SCRIPT: list[dict[str, object]] = [
 # and compaction numbers and transcript stamps replaced): the walk must find each.
 EXPECTED = {
     "a/default.json", "a/coding.json", "backends", "complete", "err", "events", "help",
-    "p/*", "s/idx", "s/new", "sk/idx", "t/idx", "t/*", "u/complete",
+    "p/*", "s/idx", "s/new", "sk/idx", "t/idx", "t/*", "u/complete", "mcp/idx",
     "tr/*.md", "tr/*.jsonl", "m/*", "tmp/*", "tmp/*/*", "sk/*.md", "a/*.json",
     *(
         f"s/ID/{f}"
@@ -583,6 +583,9 @@ def folders(c: Client, kid: str) -> None:
             check(c.read(f"t/{name}").startswith("#!"), f"t/{name} is not a script")
     c.refuses_write("t/file_read")
     c.refuses_write("t/idx")
+    # mcp/: no server configured; idx (their states) is read-only.
+    check(c.read("mcp/idx") == "", "mcp/idx without servers")
+    c.refuses_write("mcp/idx")
     # A user's tool: created 0755 whatever the mode asked, listed in idx at once.
     tool = (
         "#!/bin/sh\n# ollie-tool\n# description: say hi\n"
