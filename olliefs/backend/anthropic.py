@@ -497,16 +497,22 @@ def wire_messages(messages: list[Message]) -> tuple[list[dict[str, Any]], list[d
     return system, wire
 
 
+def _large(content: str | list[dict[str, Any]]) -> bool:
+    """A tool result worth a cache breakpoint: long text, or any image."""
+    if isinstance(content, str):
+        return len(content) >= LARGE_TOOL_RESULT
+    return any(b["type"] == "image" for b in content) or (
+        sum(len(b.get("text", "")) for b in content) >= LARGE_TOOL_RESULT
+    )
+
+
 def _mark_large_results(wire: list[dict[str, Any]], limit: int) -> None:
     """Put cache breakpoints on the ``limit`` latest large tool results."""
     for message in reversed(wire):
         for block in reversed(message["content"]):
             if limit <= 0:
                 return
-            if (
-                block.get("type") == "tool_result"
-                and len(block.get("content", "")) >= LARGE_TOOL_RESULT
-            ):
+            if block.get("type") == "tool_result" and _large(block.get("content", "")):
                 block["cache_control"] = _EPHEMERAL
                 limit -= 1
 

@@ -12,7 +12,8 @@ do, and ollie-replay(1) lists it as unverified):
   ``/models`` (no ``/v1``), with ``Authorization: Bearer <copilot token>`` and the editor
   headers ``Editor-Version``, ``Editor-Plugin-Version``, ``Copilot-Integration-Id`` and
   ``User-Agent``;
-* the model list gives context windows as ``capabilities.limits.max_prompt_tokens``.
+* the model list gives context windows as ``capabilities.limits.max_prompt_tokens``;
+* a request with images carries ``Copilot-Vision-Request: true``.
 
 The Copilot token is exchanged on first use, again once ``refresh_in`` has passed (or
 ``expires_at`` is near), and again after the API answered 401 (a token revoked or
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import httpx
 import msgspec
@@ -66,6 +68,8 @@ class _Unauthorized(BadResponseError):
 class CopilotBackend(OpenAIBackend):
     default_model = "gpt-4.1"
     text_tools = False  # hosted models with tool calls of their own: text is text
+    # Copilot refuses images in a request without it (as its editors send it).
+    image_headers: Mapping[str, str] = MappingProxyType({"Copilot-Vision-Request": "true"})
 
     def __init__(
         self,

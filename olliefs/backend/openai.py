@@ -622,6 +622,8 @@ class OpenAIBackend(HTTPBackend):
     # Open models behind compatible servers often write their tool calls and thinking
     # into the text (texttools.py); a profile's textToolCalls turns this off.
     text_tools = True
+    # Headers of a request that carries images (tool results'): none for OpenAI.
+    image_headers: Mapping[str, str] = {}
 
     def __init__(
         self,
@@ -662,8 +664,9 @@ class OpenAIBackend(HTTPBackend):
         body = request_body(model, messages, tools, params, openrouter=self._openrouter, wire=wire)
         content = msgspec.json.encode(body)
         names = [t.name for t in tools] if self._reads_text(params) else None
+        images = any(m.images for m in messages)
         async with contextlib.AsyncExitStack() as stack:
-            request = await self._chat_request(content)
+            request = await self._chat_request(content, images)
             try:
                 events = await stack.enter_async_context(self._chat(request, names))
             except BackendError as err:
@@ -671,7 +674,7 @@ class OpenAIBackend(HTTPBackend):
                 # raises while reading the events does not pass here.
                 if not self._renewed(err):
                     raise
-                request = await self._chat_request(content)
+                request = await self._chat_request(content, images)
                 events = await stack.enter_async_context(self._chat(request, names))
             yield events
 
@@ -679,8 +682,10 @@ class OpenAIBackend(HTTPBackend):
         """Whether tool calls and <think> in the reply's text are read (``texttools``)."""
         return self.text_tools if params.text_tools is None else params.text_tools
 
-    async def _chat_request(self, content: bytes) -> httpx.Request:
+    async def _chat_request(self, content: bytes, images: bool = False) -> httpx.Request:
         headers = {**_JSON_HEADERS, **(await self._request_headers())}
+        if images:
+            headers.update(self.image_headers)
         return self._post(self._url(self.chat_path), content, headers)
 
     def _chat(

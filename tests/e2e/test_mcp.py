@@ -285,7 +285,7 @@ def image_sent(name: str, body: dict[str, Any]) -> str:
                     [img] = [c for c in b["content"] if c["type"] == "image"]
                     assert img["source"]["media_type"] == "image/png"
                     return str(img["source"]["data"])
-    elif name == "openai":
+    elif name in ("openai", "copilot"):
         for m in body["messages"]:
             if m["role"] == "user" and isinstance(m["content"], list):
                 [part] = [c for c in m["content"] if c["type"] == "image_url"]
@@ -305,7 +305,7 @@ def image_sent(name: str, body: dict[str, Any]) -> str:
     raise AssertionError(f"no image in the {name} request")
 
 
-@pytest.mark.parametrize("name", ["anthropic", "openai", "gemini", "ollama"])
+@pytest.mark.parametrize("name", ["anthropic", "openai", "copilot", "gemini", "ollama"])
 def test_an_image_result_reaches_the_model_as_an_image(name: str, tmp_path: Path) -> None:
     """An MCP tool answers with text and a PNG: the model gets the picture in its wire's
     form (and the text with a line naming the saved file), in the request after the call
@@ -315,7 +315,7 @@ def test_an_image_result_reaches_the_model_as_an_image(name: str, tmp_path: Path
     from olliefs.replay import ReplayServer
     from olliefs.replay.script import Entry, EntryToolCall
 
-    with ReplayServer() as server:
+    with ReplayServer(key="sk-images-0123456789abcdef") as server:  # (Copilot needs one)
         d = Daemon(tmp_path, server, server.settings())
         (tmp_path / "pics.py").write_text(PICS)
         mcp = d.home / "config" / "mcp"
@@ -337,6 +337,10 @@ def test_an_image_result_reaches_the_model_as_an_image(name: str, tmp_path: Path
             d.wait_idle(sid)
             assert d.read(f"s/{sid}/chat").endswith("assistant: a dot\n")
             sent = image_sent(name, server.recorded[-1].body)
+            # Copilot takes images only in a request that says it carries some.
+            vision = server.recorded[-1].headers.get("copilot-vision-request")
+            assert vision == ("true" if name == "copilot" else None)
+            assert "copilot-vision-request" not in server.recorded[0].headers
             png = base64.b64decode(sent, validate=True)
             assert png.startswith(b"\x89PNG")
             context = d.read(f"s/{sid}/context")

@@ -40,7 +40,8 @@ PARAMS = GenerationParams()
 
 def test_anthropic_tool_result_holds_text_and_image_blocks() -> None:
     body = anthropic_body("claude-x", HISTORY, [], PARAMS)
-    result = body["messages"][2]["content"][0]
+    result = dict(body["messages"][2]["content"][0])
+    result.pop("cache_control", None)
     assert result["type"] == "tool_result" and result["tool_use_id"] == "c1"
     assert result["content"] == [
         {"type": "text", "text": LINE},
@@ -54,6 +55,9 @@ def test_anthropic_tool_result_holds_text_and_image_blocks() -> None:
         },
     ]
     assert body["messages"][2]["content"][1]["content"] == "a b"  # without images: text
+    # Its text is short, its images are not: a cache breakpoint, as on a large result.
+    assert body["messages"][2]["content"][0].get("cache_control") == {"type": "ephemeral"}
+    assert "cache_control" not in body["messages"][2]["content"][1]
 
 
 def test_openai_images_follow_the_tool_results_in_a_user_message() -> None:
