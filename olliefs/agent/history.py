@@ -89,7 +89,11 @@ class History:
         self._saved = 0  # the savings of the first _saved_upto cold results (the collapsed)
         self._saved_upto = 0
         self._collapsed: dict[int, tuple[Message, Message]] = {}  # id -> (cold, collapsed)
+        self._texts: dict[int, tuple[Message, Message]] = {}  # id -> (it, without images)
         self.wire = WireCache()  # its encoded messages, for the backend (``Backend.stream``)
+        # The model refused a request with images: tool results go as their text only
+        # (their text names each image's file), for the rest of the session's run.
+        self.text_only = False
         if messages:
             self.replace(messages)
 
@@ -150,6 +154,14 @@ class History:
                 known = (m, msgspec.structs.replace(m, content=collapse(m), images=()))
                 self._collapsed[id(m)] = known
             out[i] = known[1]
+        if self.text_only:
+            for i, m in enumerate(out):
+                if m.images:
+                    known = self._texts.get(id(m))
+                    if known is None or known[0] is not m:
+                        known = (m, msgspec.structs.replace(m, images=()))
+                        self._texts[id(m)] = known
+                    out[i] = known[1]
         return out
 
     def _count(self, i: int, m: Message) -> None:
@@ -171,6 +183,7 @@ class History:
         self._savings, self._saved, self._saved_upto = [], 0, 0
         live = {id(m) for m in self.messages}
         self._collapsed = {k: v for k, v in self._collapsed.items() if k in live}
+        self._texts = {k: v for k, v in self._texts.items() if k in live}
         for i, m in enumerate(self.messages):
             self._count(i, m)
 

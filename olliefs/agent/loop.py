@@ -278,6 +278,13 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
                 # The provider reported usage before it failed (OpenRouter sends it with
                 # an error inside a 200 stream): those tokens were billed, so they count.
                 _account_usage(host, usage)
+            if isinstance(err, BadResponseError) and _drop_images(host):
+                host.emit(
+                    "info",
+                    f"{err}: sending the request again without the tool results' images, "
+                    "and none for the rest of this session's run",
+                )
+                continue
             if not hooked:
                 # Once per request: a request sent again after a switch that fails too
                 # takes the usual way, so two hooks cannot switch back and forth forever.
@@ -295,6 +302,16 @@ async def stream_reply(host: TurnHost, *, tools: bool = True) -> Message:
         )
         _account(host, reply, usage)
         return reply
+
+
+def _drop_images(host: TurnHost) -> bool:
+    """A request with images was refused (a model without vision says 400): True if it
+    had any, and from now on it has none (the results' text names their files)."""
+    history = host.history
+    if history.text_only or not any(m.images for m in history.for_model()):
+        return False
+    history.text_only = True
+    return True
 
 
 ERROR_TYPES: tuple[tuple[type[BackendError], str], ...] = (

@@ -381,3 +381,41 @@ def test_why_an_mcp_server_failed_is_in_the_tree(daemon: Daemon) -> None:
     os.unlink(daemon.p("mcp/gone.json"))  # through the tree: idx reads toolsrv again
     names = [line.split("\t")[0] for line in daemon.read("mcp/idx").splitlines()]
     assert names == ["bad", "tiny"]
+
+
+def test_a_model_that_refuses_images_gets_the_text_lines_instead(tmp_path: Path) -> None:
+    """A model without vision refuses the request that carries the tool's image (a
+    400): it is sent again at once without images, and so is every later request of
+    the session; the history keeps them."""
+    from olliefs.replay import ReplayServer
+    from olliefs.replay.script import Entry, EntryToolCall
+
+    with ReplayServer(key="sk-images-0123456789abcdef") as server:
+        d = Daemon(tmp_path, server, server.settings())
+        (tmp_path / "pics.py").write_text(PICS)
+        mcp = d.home / "config" / "mcp"
+        mcp.mkdir(parents=True)
+        (mcp / "pics.json").write_text(
+            json.dumps({"command": sys.executable, "args": [str(tmp_path / "pics.py")]})
+        )
+        shot = EntryToolCall(name="mcp_pics_shot", arguments={}, id="c1")
+        refused = Entry(status=400, error="this model does not support image input")
+        server.add([Entry(tool_calls=(shot,)), refused, Entry(reply="no pixels seen")])
+        with d.running():
+            assert "mcp_pics_shot\t" in d.read("t/idx")
+            sid = d.new(name="blind", backend="openai", model="replay", cwd=str(d.work))
+            d.write(f"s/{sid}/ctl", "tool_load mcp_pics_shot")
+            d.prompt(sid, "look")
+            d.wait_idle(sid)
+            chat = d.read(f"s/{sid}/chat")
+            assert "sending the request again without the tool results' images" in chat
+            assert chat.endswith("assistant: no pixels seen\n")
+            with_images, without = (r.body["messages"] for r in server.recorded[-2:])
+            assert len(with_images) == len(without) + 1  # the images' user message
+            [result] = [m for m in without if m["role"] == "tool"]
+            assert "saved as" in result["content"]  # the text line names the file
+            server.add([Entry(reply="still none")])
+            d.prompt(sid, "again")
+            d.wait_idle(sid)
+            assert "image_url" not in json.dumps(server.recorded[-1].body)
+            assert '"mime":"image/png"' in d.read(f"s/{sid}/context")  # kept
