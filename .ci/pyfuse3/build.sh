@@ -21,7 +21,7 @@
 set -euo pipefail
 
 VERSION=3.5.0
-LOCAL=ollie8  # bump on every change of a patch: a venv with an older build is rebuilt
+LOCAL=ollie9  # bump on every change of a patch: a venv with an older build is rebuilt
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 
 target=${1:?usage: build.sh VENV|PYTHON}

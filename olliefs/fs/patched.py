@@ -60,7 +60,7 @@ NOFLUSH = hasattr(pyfuse3.FileInfo(), "noflush")
 
 
 def build() -> str:
-    """The installed pyfuse3's version as its distribution says (``3.5.0+ollie8``), read
+    """The installed pyfuse3's version as its distribution says (``3.5.0+ollie9``), read
     from its dist-info folder's name: ``importlib.metadata`` took ~25 ms, at every
     start of the daemon. Empty when it cannot be found there."""
     site = Path(pyfuse3.__file__ or "").resolve().parent.parent
