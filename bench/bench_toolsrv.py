@@ -24,7 +24,7 @@ Three patterns, the reference measured the same way each time:
   first, side by side, as dispatch does), then 20 reference runs; per call, the round's
   time / 20.
 
-Target (issue 10): a call within 2x of the reference, in every pattern.
+Target: a call within 1.5x of the reference, in every pattern (2x in an earlier round).
 
 Then CPU per call, which a busy machine does not blur as it blurs wall time: the CPU that
 toolsrv (its server process, and separately the tool processes it reaped) and the client
@@ -61,7 +61,7 @@ from toolsrv.protect import ProtectedScan
 CALLS = 600
 WARMUP = 20
 BURST = 20
-TARGET = 2.0  # issue 10: within 2x of the reference
+TARGET = 1.5  # within 1.5x of the reference in every pattern (2x before)
 SESSION = "bench"
 ARGS = b"{}"
 
