@@ -294,6 +294,13 @@ class Watchers:
             self.following = False
 
 
+# What each of a session's resources (``Watchers.uris``) is, and its type.
+_KINDS = (
+    ("its conversation as text", "text/plain"),
+    ("the messages its next request sends", "application/x-ndjson"),
+)
+
+
 class _Server(MCPServer):
     """``resources/list`` names each session's two resources besides the templates (a
     client that lists resources, as most do, finds the sessions without knowing ids)."""
@@ -312,23 +319,15 @@ class _Server(MCPServer):
             sid = line.partition("\t")[0]
             if not sid:
                 continue
-            chat, context = Watchers.uris(sid)
-            out.append(
-                types.Resource(
-                    uri=chat,
-                    name=f"{sid}/chat",
-                    description=f"session {sid}: its conversation as text",
-                    mime_type="text/plain",
+            for uri, (what, mime) in zip(Watchers.uris(sid), _KINDS, strict=True):
+                out.append(
+                    types.Resource(
+                        uri=uri,
+                        name=f"{sid}/{uri.rpartition('/')[2]}",
+                        description=f"session {sid}: {what}",
+                        mime_type=mime,
+                    )
                 )
-            )
-            out.append(
-                types.Resource(
-                    uri=context,
-                    name=f"{sid}/context",
-                    description=f"session {sid}: the messages its next request sends",
-                    mime_type="application/x-ndjson",
-                )
-            )
         return out
 
 

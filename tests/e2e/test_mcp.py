@@ -275,6 +275,18 @@ app.run()
 """
 
 
+def pics_daemon(tmp_path: Path, server: Any) -> Daemon:
+    """A daemon (not started) whose config has the server of PICS as ``pics``."""
+    d = Daemon(tmp_path, server, server.settings())
+    (tmp_path / "pics.py").write_text(PICS)
+    mcp = d.home / "config" / "mcp"
+    mcp.mkdir(parents=True)
+    (mcp / "pics.json").write_text(
+        json.dumps({"command": sys.executable, "args": [str(tmp_path / "pics.py")]})
+    )
+    return d
+
+
 def image_sent(name: str, body: dict[str, Any]) -> str:
     """The base64 image the request carries back with the tool's result, found where
     ``name``'s wire puts it."""
@@ -316,13 +328,7 @@ def test_an_image_result_reaches_the_model_as_an_image(name: str, tmp_path: Path
     from olliefs.replay.script import Entry, EntryToolCall
 
     with ReplayServer(key="sk-images-0123456789abcdef") as server:  # (Copilot needs one)
-        d = Daemon(tmp_path, server, server.settings())
-        (tmp_path / "pics.py").write_text(PICS)
-        mcp = d.home / "config" / "mcp"
-        mcp.mkdir(parents=True)
-        (mcp / "pics.json").write_text(
-            json.dumps({"command": sys.executable, "args": [str(tmp_path / "pics.py")]})
-        )
+        d = pics_daemon(tmp_path, server)
         server.add(
             [
                 Entry(tool_calls=(EntryToolCall(name="mcp_pics_shot", arguments={}, id="c1"),)),
@@ -391,13 +397,7 @@ def test_a_model_that_refuses_images_gets_the_text_lines_instead(tmp_path: Path)
     from olliefs.replay.script import Entry, EntryToolCall
 
     with ReplayServer(key="sk-images-0123456789abcdef") as server:
-        d = Daemon(tmp_path, server, server.settings())
-        (tmp_path / "pics.py").write_text(PICS)
-        mcp = d.home / "config" / "mcp"
-        mcp.mkdir(parents=True)
-        (mcp / "pics.json").write_text(
-            json.dumps({"command": sys.executable, "args": [str(tmp_path / "pics.py")]})
-        )
+        d = pics_daemon(tmp_path, server)
         shot = EntryToolCall(name="mcp_pics_shot", arguments={}, id="c1")
         refused = Entry(status=400, error="this model does not support image input")
         server.add([Entry(tool_calls=(shot,)), refused, Entry(reply="no pixels seen")])
