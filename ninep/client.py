@@ -122,6 +122,11 @@ class Client:
         self._outbox_lot = trio.lowlevel.ParkingLot()
         self._lost: ConnectionLost | None = None
         self._transport = Transport(stream)
+        # What this session cost the wire: requests (T-messages, each with its tag) and
+        # sends (writes to the stream, each carrying one request or several together).
+        # Read by tests that hold a call to its count of messages and round trips.
+        self.requests = 0
+        self.sends = 0
 
     # ---- life -------------------------------------------------------------------------
 
@@ -248,11 +253,13 @@ class Client:
 
     def _alloc_tag(self) -> int:
         if self._free_tags:
+            self.requests += 1
             return self._free_tags.pop()
         tag = self._next_tag
         if tag > _MAX_TAG:
             raise NinePError("too many requests in flight")
         self._next_tag = tag + 1
+        self.requests += 1
         return tag
 
     def _free_tag(self, tag: int) -> None:
@@ -291,6 +298,7 @@ class Client:
                 data = frame
             if not data:
                 return
+            self.sends += 1
             try:
                 await self._transport.send(data, shield_for=SEND_TIMEOUT)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as err:

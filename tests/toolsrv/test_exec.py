@@ -28,7 +28,7 @@ import trio
 
 from olliefs.testing import await_until, expect_log
 from toolsrv import sandbox
-from toolsrv.exec import ExecResult, Executor
+from toolsrv.exec import ExecResult, Executor, cgroup
 from toolsrv.sandbox import Profile, SandboxError
 from toolsrv.server import render_result
 
@@ -808,6 +808,37 @@ async def test_memory_limit_per_call(tmp_path: Path, mode: str) -> None:
             assert not render_result(res, 60, "small").isError
     finally:
         executor.close()
+
+
+async def test_calls_of_one_profile_leave_cgroup_limits_alone(
+    exec_box: Box, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls of the same profile find their cgroup's limits already set, the spare
+    threads' cgroups included: no limit file is written again after the first call. A
+    call of another profile still gets its own limit (the OOM test above enforces it)."""
+    ex = exec_box.executor
+    if ex.cgroups is None or not ex.cgroups.joins_threads:
+        pytest.skip(reason=f"no cgroup joined ahead by spare threads here ({ex.cgroup_mode})")
+    written: list[str] = []
+    real = cgroup.write_file
+
+    def counted(path: str, text: str) -> None:
+        written.append(os.path.basename(path))
+        real(path, text)
+
+    monkeypatch.setattr(cgroup, "write_file", counted)
+    for _ in range(2):  # the first call's spares are made with its limits
+        assert (await exec_box.run(["/bin/true"])).exit_code == 0
+    written.clear()
+    for _ in range(4):
+        assert (await exec_box.run(["/bin/true"])).exit_code == 0
+    assert [w for w in written if "limit" in w or w.endswith(".max")] == []
+    other = Profile(name="other", memory_max=DEFAULT.memory_max // 2)
+    if ABI == 0:
+        other = Profile(name="other", unsandboxed=True, memory_max=other.memory_max)
+    assert (await exec_box.run(["/bin/true"], profile=other)).exit_code == 0
+    if "memory" in ex.cgroup_mode:
+        assert any("memory" in w for w in written), written
 
 
 # --- profiles ------------------------------------------------------------------------------

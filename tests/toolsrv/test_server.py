@@ -237,3 +237,67 @@ async def test_a_background_child_neither_holds_the_call_nor_outlives_it(
     pid, hi, note = res.text.splitlines()
     assert hi == "hi" and note.startswith("[background processes were still running"), res.text
     await await_until(lambda: not pid_exists(int(pid)), f"{pid} gone", 10, reaps=[int(pid)])
+
+
+ECHO_TOOL = """#!/usr/bin/env python3
+# ollie-tool
+# description: answers with its args, cwd and session, exits with args' code (test)
+# args: {"type": "object", "properties": {"n": {"type": "integer"}}}
+# parallel: true
+import json, os, sys
+args = json.load(sys.stdin)
+print(json.dumps([args, os.getcwd(), os.environ.get("OLLIE_SESSION_ID")]))
+sys.exit(args["n"] % 3)
+"""
+
+
+@pytest.fixture
+def echo_srv(tmp_path: Path) -> Iterator[ToolsrvProc]:
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "echo").write_text(ECHO_TOOL)
+    (tools / "echo").chmod(0o755)
+    with running_toolsrv(tmp_path, tools_dirs=(tools,)) as t:
+        yield t
+
+
+async def test_call_is_two_messages_in_one_send(echo_srv: ToolsrvProc, tmp_path: Path) -> None:
+    """The daemon's call, on a fid kept from the call before: its write and its read,
+    sent together (one round trip), and nothing else: no walk, open nor clunk."""
+    work = tmp_path / "w"
+    work.mkdir()
+    async with echo_srv.agent("a1", "echo") as conn:
+        c = conn.client
+        await conn.warm(1)
+        requests, sends = c.requests, c.sends
+        for n in range(5):
+            res = await conn.call("echo", {"n": 3 * n}, str(work), tool_env(work))
+            assert not res.isError, res
+        assert (c.requests - requests, c.sends - sends) == (10, 5)
+        assert conn.idle == 1
+
+
+async def test_concurrent_calls_each_get_their_own_answer(
+    echo_srv: ToolsrvProc, tmp_path: Path
+) -> None:
+    """Twenty calls at once, each with its own args, cwd, session and exit status: each
+    answer is its own call's, though the fids are kept and reused between them."""
+    dirs = [tmp_path / f"w{i}" for i in range(4)]
+    for d in dirs:
+        d.mkdir()
+    got: dict[int, tuple[bool, list[object]]] = {}
+    async with echo_srv.agent("a1", "echo") as conn:
+
+        async def one(n: int) -> None:
+            d = dirs[n % 4]
+            res = await conn.call("echo", {"n": n}, str(d), tool_env(d, f"s{n}"))
+            text = res.content[0].text
+            got[n] = (bool(res.isError), json.loads(text.splitlines()[0]))
+
+        for _ in range(2):  # the second round on the fids the first one left
+            got.clear()
+            async with trio.open_nursery() as nursery:
+                for n in range(20):
+                    nursery.start_soon(one, n)
+            for n in range(20):
+                assert got[n] == (n % 3 != 0, [{"n": n}, str(dirs[n % 4]), f"s{n}"])

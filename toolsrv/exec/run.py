@@ -296,7 +296,7 @@ class Executor:
             stack.callback(watch.close)
             for fd in (out_r, err_r, out_w, err_w, in_w):
                 fd.take()  # the watch's now
-            spawner.prestart(profile.max_procs, prepared)
+            spawner.prestart(profile.max_procs, prepared, profile.memory_max)
             with trio.move_on_after(timeout) as deadline:
                 await watch.pump(until_exit=True)
             run.exited = watch.exited
