@@ -74,10 +74,8 @@ def _toolsrv_wrapper(path: Path) -> None:
             text=True,
         ).stdout.strip()
         if minor != str(sys.version_info[:2]):
-            pytest.skip(
-                reason=f"{exe} is not reachable by another user and no system "
-                f"python3 of version {sys.version_info[:2]} can stand in"
-            )
+            why = f"{exe} is not reachable by another user and no system python3 of version"
+            pytest.skip(reason=f"{why} {sys.version_info[:2]} can stand in")
     site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
     path.write_text(
         f'#!/bin/sh\nexec {python} -c \'import site, sys; site.addsitedir("{site}"); '

@@ -158,15 +158,18 @@ async def test_python_9p_follows_a_read_only_export_and_is_refused_writes(
     d.stop()
 
 
+NO_V9FS = (
+    "the kernel has no 9p filesystem: 9p is absent from /proc/filesystems "
+    "and modprobe 9p failed (or there is no modprobe)"
+)
+
+
 def test_linux_v9fs_mounts_the_export(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     """``mount -t 9p``: where the kernel has no 9p filesystem, skipped saying so."""
     if not _kernel_has_9p():
-        pytest.skip(
-            reason="the kernel has no 9p filesystem: 9p is absent from /proc/filesystems "
-            "and modprobe 9p failed (or there is no modprobe)"
-        )
+        pytest.skip(reason=NO_V9FS)
     if os.geteuid() != 0:
         pytest.skip(reason="mount -t 9p needs root")
     d = exported(daemon_factory, "--9p", "tcp:127.0.0.1:0")
