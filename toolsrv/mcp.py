@@ -827,11 +827,11 @@ def render(result: types.CallToolResult, tmp: Path, server: str) -> CallResult:
     no content."""
     import mcp_types as types
 
-    parts: list[Content] = []
-    images = 0
+    texts: list[str] = []
+    images: list[Content] = []  # their lines are in the texts too
     for block in result.content:
         if isinstance(block, types.TextContent):
-            parts.append(Content(block.text))
+            texts.append(block.text)
             continue
         what: str
         if isinstance(block, types.ImageContent | types.AudioContent):
@@ -839,34 +839,24 @@ def render(result: types.CallToolResult, tmp: Path, server: str) -> CallResult:
         elif isinstance(block, types.EmbeddedResource):
             res = block.resource
             if isinstance(res, types.TextResourceContents):
-                parts.append(Content(f"[resource {res.uri}]\n{res.text}"))
+                texts.append(f"[resource {res.uri}]\n{res.text}")
                 continue
             data, mime, what = res.blob, res.mime_type or "", f"resource {res.uri}"
         else:  # a resource link (the content union's last kind)
-            parts.append(Content(f"[resource link {block.uri}: {block.description or block.name}]"))
+            texts.append(f"[resource link {block.uri}: {block.description or block.name}]")
             continue
         line, raw = _saved(tmp, data, mime, what)
-        if raw is not None and mime in IMAGE_TYPES and raw <= MAX_IMAGE and images < MAX_IMAGES:
-            images += 1
-            parts.append(Content(line, "image", data, mime))
-        else:
-            parts.append(Content(line))
-    if not parts and result.structured_content is not None:
-        parts.append(Content(msgspec.json.encode(result.structured_content).decode()))
-    text = "\n".join(c.text for c in parts)
+        texts.append(line)
+        if raw is not None and mime in IMAGE_TYPES and raw <= MAX_IMAGE:
+            images.append(Content("", "image", data, mime))
+    if not texts and result.structured_content is not None:
+        texts.append(msgspec.json.encode(result.structured_content).decode())
+    text = "\n".join(texts)
     if len(text) > MAX_TEXT:
-        # Cut as before, as one text; the images (each under its own cap) stay.
-        cut = f"{text[:MAX_TEXT]}\n[cut: {len(text) - MAX_TEXT} more characters were dropped]"
-        parts = [Content(cut), *(Content("", "image", c.data, c.mimeType) for c in parts if c.data)]
-    elif not text and result.is_error:
-        parts = [Content(f"the MCP server {server} reported an error without a message")]
-    else:
-        # One text as before (lines joined by newlines), images in their place.
-        parts = [
-            Content(c.text + ("\n" if i < len(parts) - 1 else ""), c.type, c.data, c.mimeType)
-            for i, c in enumerate(parts)
-        ]
-    return CallResult(parts or [Content("")], bool(result.is_error))
+        text = f"{text[:MAX_TEXT]}\n[cut: {len(text) - MAX_TEXT} more characters were dropped]"
+    if not text and result.is_error:
+        text = f"the MCP server {server} reported an error without a message"
+    return CallResult([Content(text), *images[:MAX_IMAGES]], bool(result.is_error))
 
 
 def _saved(tmp: Path, data: str, mime: str, what: str) -> tuple[str, int | None]:
