@@ -12,8 +12,8 @@ every session is idle again, the daemon's CPU (utime + stime from ``/proc/<pid>/
 over that time, and for the loaded run the time until every reader holds every byte of
 its file (each helper reports what it has; the last reader to catch up sets the figure).
 Then every reader is SIGKILLed at once and the time until all helper processes have
-exited, and until the daemon's pyfuse3 workers have gone back to the pool (SIGUSR1 count),
-is printed.
+exited, and until the daemon's pyfuse3 workers have gone back to the pool and no read is
+parked (SIGUSR1 counts), is printed.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main() -> int:
             for h in helpers:
                 h.proc.wait()
             t_exit = time.perf_counter() - t2
-            while debug_counts(daemon)[1] > 8:
+            while debug_counts(daemon)[1] > 8 or debug_counts(daemon)[2]:
                 time.sleep(0.01)
             t_pool = time.perf_counter() - t2
             for h in helpers:

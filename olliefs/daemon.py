@@ -296,10 +296,12 @@ async def _serve(
                     total, workers = task_counts()
                     fds = len(os.listdir("/proc/self/fd"))
                     log.info(
-                        "debug: %d trio tasks, %d pyfuse3 workers, %d fds, %d inodes,"
+                        "debug: %d trio tasks, %d pyfuse3 workers, %d parked reads,"
+                        " %d fds, %d inodes,"
                         " %d sessions alive, %d refreezes, %d frozen, %d collections",
                         total,
                         workers,
+                        ops.parked_reads,
                         fds,
                         ops.known_inodes,
                         len(reg.alive),

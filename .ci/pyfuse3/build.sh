@@ -10,7 +10,9 @@
 # released by a signal, SIGKILL included (interrupt.patch); it answers each request
 # through a lock hand-over and a pass of the event loop (loop.patch: a few times less
 # CPU per request), and each worker held a ~1 MiB receive buffer while its handler
-# waited (memory.patch); noflush.patch and readdir-many.patch add the calls the
+# waited (memory.patch); a read waiting at the end of a log is parked as a request and
+# answered by the append that brings its data, with no worker held (defer.patch);
+# noflush.patch and readdir-many.patch add the calls the
 # frontend uses for closes and listings, lazy-version.patch takes ~25 ms off the
 # import. The daemon runs on stock pyfuse3 too, degraded (olliefs/fs/patched.py).
 # Each patch is one change with its docs and tests, written so that it could be offered
@@ -21,7 +23,7 @@
 set -euo pipefail
 
 VERSION=3.5.0
-LOCAL=ollie9  # bump on every change of a patch: a venv with an older build is rebuilt
+LOCAL=ollie11  # bump on every change of a patch: a venv with an older build is rebuilt
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 
 target=${1:?usage: build.sh VENV|PYTHON}

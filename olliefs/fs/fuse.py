@@ -61,7 +61,17 @@ import trio
 
 from olliefs import errors
 from olliefs.fs import interrupt, patched
-from olliefs.fs.nodes import CACHED_TTL, Dir, File, Handle, Node, Open, Waiters
+from olliefs.fs.nodes import (
+    CACHED_TTL,
+    Dir,
+    File,
+    Handle,
+    LogHandle,
+    Node,
+    Open,
+    Waiters,
+    admit_wait,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +164,8 @@ class Operations(pyfuse3.Operations):
         # blocks, watched while a read of it waits (``interrupt.Opener``).
         self._watch = None if patched.INTERRUPT else interrupt.Watch()
         self._openers: dict[int, interrupt.Opener] = {}
+        # Reads parked at the end of a log until it grows (``_park``).
+        self._parked: set[_Parked] = set()
         # Counts for tests and the bench: invalidations sent to the kernel.
 
     # ---- inode table ----------------------------------------------------------------
@@ -313,6 +325,11 @@ class Operations(pyfuse3.Operations):
     @property
     def known_inodes(self) -> int:
         return len(self._nodes)
+
+    @property
+    def parked_reads(self) -> int:
+        """Reads waiting at the end of a log as parked requests (``_park``)."""
+        return len(self._parked)
 
     def drop_stale_listings(self) -> None:
         """Forget kept listings that the next opendir would build again anyway (their
@@ -554,6 +571,11 @@ class Operations(pyfuse3.Operations):
         handle = self._handle(fh)
         if not handle.waits:
             return await handle.read(off, size)
+        if patched.DEFER and isinstance(handle, LogHandle):
+            data = handle.read_now(off, size)
+            if data is not None:
+                return data
+            return self._park(handle, off, size)
         # The request (caller's thread, FUSE_INTERRUPT event) for a read that blocks;
         # without FUSE_INTERRUPT, the thread that opened the file.
         if self._watch is None:
@@ -562,6 +584,19 @@ class Operations(pyfuse3.Operations):
             caller = self._openers.get(fh)
         with interrupt.serving(caller):
             return await handle.read(off, size)
+
+    def _park(self, handle: LogHandle, off: int, size: int) -> bytes:
+        """A read at the end of a log: the request is parked on the log (``_Parked``)
+        and answered by the append or close that gives it its answer."""
+        admit_wait(handle.how)  # EAGAIN for O_NONBLOCK, EMFILE past the bound
+        caller = pyfuse3.current_request.get()
+        assert caller is not None  # a read handler's request is published
+        parked = _Parked(pyfuse3.defer_reply(), handle, off, size, caller.pid, self._parked)
+        self._parked.add(parked)
+        handle.log.observers.append(parked.changed)
+        caller.interrupted = parked  # FUSE_INTERRUPT calls set(), at once if it came
+        # pyfuse3 sends the reply later (defer_reply): this object is the read's result.
+        return cast(bytes, parked.reply)
 
     @translated
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -633,11 +668,14 @@ class Operations(pyfuse3.Operations):
                 del self._polled[fh]
 
     def close(self) -> None:
-        """Before ``pyfuse3.close()``: no poller is woken any more (the poll handles
-        name the session that call frees)."""
+        """Before ``pyfuse3.close()``: no poller is woken and no parked read answered
+        any more (the poll handles and the requests name the session that call frees;
+        the unmount ends those reads in the kernel)."""
         self._closed = True
         for polled in self._polled.values():
             polled.scope.cancel()
+        for parked in list(self._parked):
+            parked.end()
         self._polled.clear()
 
     # ---- namespace changes ----------------------------------------------------------
@@ -801,3 +839,79 @@ def mount_options(fsname: str = "olliefs") -> set[str]:
     opts.add("subtype=olliefs")
     opts.add("default_permissions")
     return opts
+
+
+class _Parked:
+    """A read waiting at the end of a log, as a request parked on it (pyfuse3's
+    ``defer_reply``), not a task: the log's next append or close calls ``changed``,
+    which answers it there and then, in the appender's own pass, or parks it again.
+    A thousand followers of busy streams so cost no worker, no task and no hand-over
+    each, and their next reads are served back to back.
+
+    FUSE_INTERRUPT calls ``set`` (with libfuse holding the request: no reply there),
+    and a task then applies the rule of ``interrupt.wait``: EINTR at once for a signal
+    that needs the reader back, else the read waits on and its thread is looked at
+    every ``interrupt.WATCH_PERIOD`` until it ends (a reader stopped by Ctrl-Z)."""
+
+    __slots__ = ("handle", "off", "parked", "pid", "reply", "size")
+
+    def __init__(
+        self,
+        reply: pyfuse3.DeferredReply,
+        handle: LogHandle,
+        off: int,
+        size: int,
+        pid: int,
+        parked: set[_Parked],
+    ) -> None:
+        self.reply = reply
+        self.handle = handle
+        self.off = off
+        self.size = size
+        self.pid = pid
+        self.parked = parked
+
+    def end(self) -> bool:
+        """Take it off the waiting reads; False if it had ended already."""
+        if self not in self.parked:
+            return False
+        self.parked.discard(self)
+        self.handle.how.waiters.count -= 1
+        return True
+
+    def changed(self) -> None:
+        if self not in self.parked:
+            return
+        try:
+            data = self.handle.read_now(self.off, self.size)
+        except Exception:  # called by whoever appended: it must not fail them
+            log.exception("answering a waiting read failed")
+            if self.end():
+                self.reply.reply_error(errno.EIO)
+            return
+        if data is None:  # still nothing where it reads (it read past the end)
+            self.handle.log.observers.append(self.changed)
+        elif self.end():
+            self.reply.reply(data)
+
+    def set(self) -> None:
+        if self in self.parked:
+            trio.lowlevel.spawn_system_task(self._interrupted, name="olliefs.fs.fuse.interrupted")
+
+    async def _interrupted(self) -> None:
+        try:
+            logged = False
+            while self in self.parked:
+                if interrupt.thread_wants_out(self.pid):
+                    if self.end():
+                        self.reply.reply_error(errno.EINTR)
+                    return
+                if not logged:
+                    logged = True
+                    log.info(
+                        "blocked read of thread %d: stopped or ignored signal, waiting on",
+                        self.pid,
+                    )
+                await trio.sleep(interrupt.WATCH_PERIOD)
+        except Exception:  # a system task must not raise: it would end the daemon
+            log.exception("interrupting a waiting read failed")

@@ -124,7 +124,8 @@ def _ns(t: float) -> int:
 
 @dataclass
 class Waiters:
-    """Bounds the number of reads blocked at once (each holds a FUSE worker)."""
+    """Bounds the number of reads blocked at once (each holds a FUSE worker, or with
+    deferred replies a parked request: memory either way)."""
 
     limit: int
     count: int = 0
@@ -815,15 +816,21 @@ async def wait_until(
     """Wait for ``ready()``; EAGAIN for O_NONBLOCK, EINTR when the reader is signalled."""
     if ready():
         return
+    admit_wait(how)
+    try:
+        await interrupt.wait(ready, park)
+    finally:
+        how.waiters.count -= 1
+
+
+def admit_wait(how: Open) -> None:
+    """A read is about to wait: EAGAIN for O_NONBLOCK, EMFILE past the bound of blocked
+    reads; else it is counted (the caller takes it off ``how.waiters`` at its end)."""
     if how.nonblock:
         raise WouldBlock("no data yet")
     if how.waiters.count >= how.waiters.limit:
         raise TooMany("too many blocked readers")
     how.waiters.count += 1
-    try:
-        await interrupt.wait(ready, park)
-    finally:
-        how.waiters.count -= 1
 
 
 class LogHandle(Handle):
@@ -844,14 +851,27 @@ class LogHandle(Handle):
     async def changed(self) -> None:
         await self.log.wait()
 
-    async def read(self, off: int, size: int) -> bytes:
+    def _has(self, off: int) -> bool:
+        """Whether a read at ``off`` answers now (data there, EOF, or no waiting)."""
+        log = self.log
+        return off < len(log) or log.closed or not self.blocking or self.how.walker
+
+    def read_now(self, off: int, size: int) -> bytes | None:
+        """The read's answer if it needs no wait, else None: then ``self.log``'s next
+        change (its ``observers``) may bring it. The FUSE frontend parks such a read
+        there instead of holding a task for it (``Operations.read``)."""
         self.pos = off
-        if self.blocking and not self.how.walker:
-            await wait_until(
-                lambda: off < len(self.log) or self.log.closed, self.log.wait, self.how
-            )
+        if not self._has(off):
+            return None
         data = self.log.read(off, size)
         self.pos = off + len(data)
+        return data
+
+    async def read(self, off: int, size: int) -> bytes:
+        data = self.read_now(off, size)
+        while data is None:
+            await wait_until(lambda: self._has(off), self.log.wait, self.how)
+            data = self.read_now(off, size)
         return data
 
 

@@ -19,6 +19,10 @@ looked up here once, and the frontend takes the fallback where one is missing:
   one ``readdir_reply`` per entry.
 * ``FileInfo.noflush`` (noflush.patch): no FLUSH at the close of a read-only open.
   Without it, one round trip more per close.
+* ``pyfuse3.defer_reply`` (defer.patch): a read waiting at the end of a log is parked
+  as a request, answered by the append that brings its data, with no task or worker
+  held meanwhile. Without it, each such read holds a worker, and with hundreds of
+  followers of busy streams their next reads wait for worker hand-overs.
 * the worker loop that answers requests in place and the one receive buffer
   (loop.patch, memory.patch) add no API: a build of ``ollie build-pyfuse3`` says so in
   its version's local label (``3.5.0+ollieN``). Without them, a few times more CPU per
@@ -57,10 +61,11 @@ INTERRUPT = hasattr(pyfuse3, "current_request") and _settable_interrupted()
 POLL = hasattr(pyfuse3, "PollHandle")
 READDIR_MANY = hasattr(pyfuse3, "readdir_reply_many")
 NOFLUSH = hasattr(pyfuse3.FileInfo(), "noflush")
+DEFER = INTERRUPT and hasattr(pyfuse3, "defer_reply")
 
 
 def build() -> str:
-    """The installed pyfuse3's version as its distribution says (``3.5.0+ollie9``), read
+    """The installed pyfuse3's version as its distribution says (``3.5.0+ollie11``), read
     from its dist-info folder's name: ``importlib.metadata`` took ~25 ms, at every
     start of the daemon. Empty when it cannot be found there."""
     site = Path(pyfuse3.__file__ or "").resolve().parent.parent
@@ -112,6 +117,14 @@ def gaps(version: str | None = None) -> list[Gap]:
         out.append(Gap("no readdir_reply_many (readdir-many.patch)", "slower listings"))
     if not NOFLUSH:
         out.append(Gap("no FileInfo.noflush (noflush.patch)", "a round trip more per close"))
+    if not DEFER:
+        out.append(
+            Gap(
+                "no defer_reply (defer.patch)",
+                "each read waiting at the end of stream or events holds a worker; with"
+                " hundreds of followers their reads queue behind one another",
+            )
+        )
     if not loop_patched(build() if version is None else version):
         out.append(
             Gap(
