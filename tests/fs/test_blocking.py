@@ -502,3 +502,56 @@ def test_stream_tail_and_size_polling_see_the_same_bytes(daemon: Daemon) -> None
             proc.wait()
             assert proc.stdout is not None
             proc.stdout.close()
+
+
+# ---- reads at and past the end of a log ------------------------------------------------
+
+
+def test_a_read_past_the_end_waits_until_the_log_reaches_it(daemon: Daemon) -> None:
+    """A read at an offset past the end (a pread, or a seek and a read) is woken by each
+    append, and waits on while the log is still short of its offset: it returns the bytes
+    there, never an early EOF. A read at the end on the same descriptor gets the first
+    append's bytes at once."""
+    sid = daemon.new(name="far")
+    rel = f"s/{sid}/events"
+
+    def grow() -> int:  # one event more (a cfg change is journaled and logged)
+        before = len(daemon.snapshot(rel).encode())
+        daemon.write(f"s/{sid}/cfg", f"temperature=0.{before % 9 + 1}\n")
+        daemon.wait_for(lambda: len(daemon.snapshot(rel).encode()) > before)
+        return len(daemon.snapshot(rel).encode()) - before
+
+    fd = os.open(daemon.p(rel), os.O_RDONLY)
+    got: dict[str, bytes] = {}
+
+    def pread(name: str, off: int) -> None:
+        got[name] = os.pread(fd, 65536, off)
+
+    try:
+        size = len(daemon.snapshot(rel).encode())
+        at_end = threading.Thread(target=pread, args=("end", size))
+        at_end.start()
+        with deadline(30):
+            while len(blocked([os.getpid()])) < 1:
+                time.sleep(0.005)
+        step = grow()
+        at_end.join(20)
+        assert got["end"] == daemon.snapshot(rel).encode()[size : size + step]
+
+        far = len(daemon.snapshot(rel).encode()) + 2 * step + 1
+        past = threading.Thread(target=pread, args=("far", far))
+        past.start()
+        with deadline(30):
+            while len(blocked([os.getpid()])) < 1:
+                time.sleep(0.005)
+        grow()
+        grow()  # the log is still short of the offset: the read waits on
+        assert len(daemon.snapshot(rel).encode()) <= far
+        assert "far" not in got and len(blocked([os.getpid()])) == 1
+        while len(daemon.snapshot(rel).encode()) <= far:
+            grow()
+        past.join(20)
+        assert got["far"] == daemon.snapshot(rel).encode()[far : far + 65536]
+        assert got["far"]
+    finally:
+        os.close(fd)
