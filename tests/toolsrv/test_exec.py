@@ -22,13 +22,15 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
 import trio
 
 from olliefs.testing import await_until, expect_log
 from toolsrv import sandbox
-from toolsrv.exec import ExecResult, Executor, cgroup
+from toolsrv.exec import ExecResult, Executor, cgroup, spawn
+from toolsrv.exec.spawn import Spare, Spawner
 from toolsrv.sandbox import Profile, SandboxError
 from toolsrv.server import render_result
 
@@ -1047,3 +1049,48 @@ def test_the_executor_keeps_the_process_non_dumpable(executor: Executor) -> None
     assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 0
     executor.close()
     assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 1
+
+
+class _SlowJoin:
+    """A cgroup whose join (by a spare thread, ahead) waits until ``done`` is set: a v1
+    join after a pause, which waits for an RCU grace period, made as long as needed."""
+
+    path = "slow"
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def join_thread(self, version: int) -> None:
+        self.done.wait(30)
+
+
+def test_a_call_takes_a_ready_spare_over_one_still_joining() -> None:
+    """A spare made for the next call may still be joining its cgroup when that call
+    comes (v1: a join after a pause waits for an RCU grace period, ~8 ms): the call
+    takes a plain spare that is ready instead, and the one made for it only once it is
+    ready, or when nothing else is."""
+    spawner = Spawner(None)
+    slow = _SlowJoin()
+    joining = Spare(cast(cgroup.Cgroup, slow), version=1)
+    try:
+        spawner.prestart(8)
+        plain = list(spawner._plain)
+        assert len(plain) == spawn.PLAIN_SPARES
+        assert all(s.wait_ready(30) for s in plain)
+        joining.key = ("k",)  # as if it had entered the sandbox ``k`` ahead
+        spawner._ahead = joining
+        assert not joining.ready
+        first = spawner.take_spare(("k",))
+        assert first in plain and spawner._ahead is joining
+        slow.done.set()
+        assert joining.wait_ready(30)
+        assert spawner.take_spare(("k",)) is joining
+        spawner.return_spare(joining)
+        assert spawner._ahead is joining
+        spawner.return_spare(first)
+        assert first in spawner._plain
+    finally:
+        slow.done.set()
+        if spawner._ahead is not joining:  # (the spawner ends what it keeps)
+            joining.run(lambda: None)
+        spawner.close()

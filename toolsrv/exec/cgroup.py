@@ -250,10 +250,19 @@ class CgroupBackend:
         return True, killed
 
     def release(self, cg: Cgroup, *, empty: bool = False) -> None:
-        """Pool the cgroup if it is empty (``empty``: just seen so), else remove it."""
-        if len(self._pool) < POOL_MAX and (empty or not self.populated(cg)):
+        """Pool the cgroup if it is empty (``empty``: just seen so), else remove it.
+
+        A full pool gives up its longest idle cgroup for this one, not this one: the
+        thread that spawned into it (v1) may be a moment from its end, still a task of
+        it, and a cgroup with a task cannot be removed (EBUSY)."""
+        if empty or not self.populated(cg):
+            if len(self._pool) >= POOL_MAX:
+                self._remove(self._pool.pop(0), quiet=False)
             self._pool.append(cg)
             return
+        self._remove(cg, quiet=False)
+
+    def _remove(self, cg: Cgroup, *, quiet: bool) -> None:
         cg.close()
         for path in (cg.path, cg.mem_path if self.memory == 1 else None):
             if path is None:
@@ -261,16 +270,12 @@ class CgroupBackend:
             try:
                 os.rmdir(path)
             except OSError as err:
-                log.warning("cannot remove cgroup %s: %s", path, err.strerror)
+                if not quiet:
+                    log.warning("cannot remove cgroup %s: %s", path, err.strerror)
 
     def close(self) -> None:
         while self._pool:
-            cg = self._pool.pop()
-            cg.close()
-            for path in (cg.path, cg.mem_path if self.memory == 1 else None):
-                if path is not None:
-                    with contextlib.suppress(OSError):
-                        os.rmdir(path)
+            self._remove(self._pool.pop(), quiet=True)
 
     def remove_stale(self) -> None:
         """Remove call cgroups of servers that are gone, killing what is left in them."""

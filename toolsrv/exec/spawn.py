@@ -84,6 +84,10 @@ class Spare:
         self._running = _thread.allocate_lock()  # held while the thread lives
         self._running.acquire()
         self._job: Callable[[], None] | None = None
+        # Released by the thread once it waits for its job, everything ahead done (a
+        # cgroup join can take a while: see `Spawner.take_spare`).
+        self._setup = _thread.allocate_lock()
+        self._setup.acquire()
         _thread.start_new_thread(self._main, ())
 
     def _main(self) -> None:
@@ -106,12 +110,24 @@ class Spare:
                 self.ahead_error = err
             finally:
                 self._ahead.close()
+        self._setup.release()
         self._go.acquire()
         try:
             if self._job is not None:
                 self._job()
         finally:
             self._running.release()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the thread is waiting for its job, all it does ahead done."""
+        return not self._setup.locked()
+
+    def wait_ready(self, timeout: float) -> bool:
+        if self._setup.acquire(timeout=timeout):
+            self._setup.release()
+            return True
+        return False
 
     def run(self, job: Callable[[], None]) -> None:
         self._job = job
@@ -126,12 +142,23 @@ class Spare:
         return False
 
 
+PLAIN_SPARES = 4
+"""Plain spares kept (`Spawner`): the calls that may come within one cgroup join of an
+idle machine (v1: ~8 ms), besides the one that takes the spare made for it."""
+
+
 class Spawner:
     """The spawning threads of one executor: the spares; and the process non-dumpable.
 
-    Two spares wait at most: a plain one, for any call, and one that entered the sandbox
-    of the last call ahead (`Prepared.key`), for the next call like it, which then only
-    spawns. A call whose sandbox differs takes the plain one (and enters there).
+    Spares wait: one that entered the sandbox of the last call ahead (`Prepared.key`), for
+    the next call like it, which then only spawns; and up to `PLAIN_SPARES` plain ones,
+    for any call (it enters in the spare's thread). Each has joined its cgroup ahead
+    (v1). On a v1 hierarchy a join waits for an RCU grace period when none happened in
+    the last few milliseconds: ~8 ms on this kind of machine after 20 ms of idle, so a
+    spare started by the first call of a round after a pause (an agent's tool calls
+    after the model's answer) is still joining when the second call comes. That call
+    then takes a plain spare that is ready instead (measured: the second call after a
+    pause took 8-10 ms with one plain spare taken last; ~2 ms now).
     """
 
     def __init__(self, cgroups: CgroupBackend | None, *, mount_ns: bool = False) -> None:
@@ -140,7 +167,7 @@ class Spawner:
         # Made in the event loop's thread, which starts every spawning thread: when its
         # bounding set is empty (toolsrv empties it at start), theirs are too.
         self.bounding_empty = namespaces.bounding_set_empty()
-        self._spare: Spare | None = None
+        self._plain: list[Spare] = []
         self._ahead: Spare | None = None
         self._ending: list[Spare] = []  # told to end; their cgroups go back once they did
         # A spawning thread shares its tool's sandbox (Landlock domain) for the moments it
@@ -185,8 +212,8 @@ class Spawner:
         anything else, each call wrote the memory limits twice more (v1: four writes,
         memory and memory+swap, there and back; 5% of the server's CPU, profiled)."""
         self._reap()
-        if self._spare is None:
-            self._spare = self._new(max_procs, memory_max)
+        while len(self._plain) < PLAIN_SPARES:
+            self._plain.append(self._new(max_procs, memory_max))
         key = ahead.key() if ahead is not None else None
         if key is not None and (self._ahead is None or self._ahead.key != key):
             if self._ahead is not None:
@@ -194,18 +221,28 @@ class Spawner:
             self._ahead = self._new(max_procs, memory_max, ahead)
 
     def take_spare(self, key: tuple[object, ...] | None = None) -> Spare | None:
-        """The spare that entered the sandbox ``key`` ahead, else the plain one."""
-        ahead = self._ahead
-        if key is not None and ahead is not None and ahead.key == key:
+        """The spare that entered the sandbox ``key`` ahead if it is ready; else a plain
+        one that is (the call enters there: ~0.2 ms, against a join that may have
+        milliseconds to go); else whichever will be ready first, the one made for
+        ``key`` before a plain one."""
+        ahead = self._ahead if key is not None and self._ahead is not None else None
+        if ahead is not None and ahead.key != key:
+            ahead = None
+        if ahead is not None and ahead.ready:
             self._ahead = None
             return ahead
-        plain, self._spare = self._spare, None
-        return plain
+        for i, plain in enumerate(self._plain):
+            if plain.ready:
+                return self._plain.pop(i)
+        if ahead is not None:
+            self._ahead = None
+            return ahead
+        return self._plain.pop(0) if self._plain else None
 
     def return_spare(self, spare: Spare) -> None:
         """A spare taken but not used: keep it for the next call, or end it."""
-        if spare.key is None and self._spare is None:
-            self._spare = spare
+        if spare.key is None and len(self._plain) < PLAIN_SPARES:
+            self._plain.append(spare)
         elif spare.key is not None and self._ahead is None:
             self._ahead = spare
         else:
@@ -227,10 +264,10 @@ class Spawner:
         self._ending = left
 
     def close(self) -> None:
-        for spare in (self._spare, self._ahead):
+        for spare in (*self._plain, self._ahead):
             if spare is not None:
                 self._end(spare)
-        self._spare = self._ahead = None
+        self._plain, self._ahead = [], None
         self._reap(1.0)
         if self.mount_ns is not None:
             self.mount_ns.close()
