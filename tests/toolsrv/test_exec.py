@@ -1094,29 +1094,3 @@ def test_a_call_takes_a_ready_spare_over_one_still_joining() -> None:
         if spawner._ahead is not joining:  # (the spawner ends what it keeps)
             joining.run(lambda: None)
         spawner.close()
-
-
-def test_a_ready_plain_spare_enters_the_next_calls_sandbox() -> None:
-    """The spare for the next call like the last one is a plain spare already joined
-    (its sandbox entered on the spot), not a new thread that would join first; it runs
-    the call in that sandbox, and the plain spares are made up again."""
-    spawner = Spawner(None)
-    try:
-        spawner.prestart(8)
-        plain = list(spawner._plain)
-        assert all(s.wait_ready(30) for s in plain)
-        prepared = sandbox.prepare(Profile(name="u", unsandboxed=True, network=True), [])
-        key = prepared.key()
-        assert key is not None
-        spawner.prestart(8, prepared)
-        ahead = spawner._ahead
-        assert ahead is not None and ahead in plain and ahead.key == key
-        assert len(spawner._plain) == spawn.PLAIN_SPARES and ahead not in spawner._plain
-        assert ahead.wait_ready(30) and ahead.ahead_error is None
-        assert spawner.take_spare(key) is ahead
-        status: list[str] = []
-        ahead.run(lambda: status.append(Path("/proc/thread-self/status").read_text()))
-        assert ahead.join(30)
-        assert "NoNewPrivs:\t1" in status[0] and "Seccomp:\t2" in status[0]
-    finally:
-        spawner.close()

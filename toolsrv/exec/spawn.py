@@ -59,8 +59,7 @@ class Spare:
     thread enters right away, for a call whose sandbox has the same `Prepared.key`, which
     ``key`` is. Entering costs ~150 µs (the seccomp filter is compiled on every load);
     done ahead, the call only spawns. The thread waits in that sandbox, in a Landlock
-    domain of its own that no process is in yet, so no tool can signal or trace it. A
-    plain spare, its cgroup joined, can be given such a sandbox later (`enter_ahead`).
+    domain of its own that no process is in yet, so no tool can signal or trace it.
     """
 
     def __init__(
@@ -104,36 +103,20 @@ class Spare:
                 self.joined = self.cg
             except OSError as err:  # the job joins (or fails) the usual way
                 log.debug("spare thread could not join %s: %s", self.cg.path, err.strerror)
-        while True:
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None:
-                try:
-                    ahead.enter(bounding_dropped=self.bounding_dropped)
-                except Exception as err:  # the call fails as it would have, entering itself
-                    self.ahead_error = err
-                finally:
-                    ahead.close()
-            self._setup.release()
-            if self._job is not None:  # (given while it entered: see `run`)
-                break
-            self._go.acquire()
-            if self._ahead is None:
-                break
+        if self._ahead is not None:
+            try:
+                self._ahead.enter(bounding_dropped=self.bounding_dropped)
+            except Exception as err:  # the call fails as it would have, entering itself
+                self.ahead_error = err
+            finally:
+                self._ahead.close()
+        self._setup.release()
+        self._go.acquire()
         try:
             if self._job is not None:
                 self._job()
         finally:
             self._running.release()
-
-    def enter_ahead(self, ahead: Prepared, key: tuple[object, ...]) -> None:
-        """A ready plain spare enters ``ahead`` now (it takes the copy's descriptors),
-        for the call whose sandbox is ``key``: its cgroup is joined already, so it is
-        ready in the time the entry takes, never in a join's."""
-        assert self.key is None and self.ready
-        self._setup.acquire()
-        self.key = key
-        self._ahead = ahead
-        self._go.release()
 
     @property
     def ready(self) -> bool:
@@ -148,10 +131,7 @@ class Spare:
 
     def run(self, job: Callable[[], None]) -> None:
         self._job = job
-        try:
-            self._go.release()
-        except RuntimeError:  # the wake of `enter_ahead`, not taken yet: the thread
-            pass  # finds the job once it has entered
+        self._go.release()
 
     def join(self, timeout: float) -> bool:
         """Wait (a bounded time; 0: not at all) for the thread to end, e.g. to leave its
@@ -174,12 +154,13 @@ class Spawner:
     the next call like it, which then only spawns; and up to `PLAIN_SPARES` plain ones,
     for any call (it enters in the spare's thread). Each has joined its cgroup ahead
     (v1). On a v1 hierarchy a join waits for an RCU grace period when none happened in
-    the last few milliseconds: ~8 ms on a VM after 20 ms of idle. So the spare for the
-    next call is a plain one already joined that enters the sandbox then (`prestart`),
-    new threads join as plain spares, and a call takes a spare that is ready over one
-    that is not (`take_spare`). Before, the spare started by the first call of a round
-    after a pause (an agent's tool calls after the model's answer) was still joining
-    when the second call came: that call took 8-10 ms instead of ~2.
+    the last few milliseconds: ~8 ms on a VM after 20 ms of idle, so a spare started
+    by the first call of a round after a pause (an agent's tool calls after the model's
+    answer) is still joining when the next calls come. They take the plain spares that
+    are ready instead (`take_spare`; measured: the second call after a pause took 8-10
+    ms with one plain spare, ~2 ms now). Making a ready plain spare enter the next
+    call's sandbox at once, rather than starting a thread for it, was tried: it cost
+    ~140 us of the server's CPU per call in a run of calls (not understood), so no.
     """
 
     def __init__(self, cgroups: CgroupBackend | None, *, mount_ns: bool = False) -> None:
@@ -223,10 +204,9 @@ class Spawner:
             raise
 
     def prestart(self, max_procs: int, ahead: Prepared | None = None, memory_max: int = 0) -> None:
-        """Make the next spawning threads ready now, while a tool runs and the server
-        waits: one that enters ``ahead`` (the sandbox of the call that just spawned) if
-        the one waiting has another, a ready plain spare if there is one (else a new
-        thread), and new plain ones up to `PLAIN_SPARES`.
+        """Start the next spawning threads now, while a tool runs and the server waits:
+        plain ones up to `PLAIN_SPARES`, and one that enters ``ahead`` (the sandbox of
+        the call that just spawned) if the one waiting has another.
 
         Their cgroups get the limits of the call that just spawned (``max_procs``,
         ``memory_max``): the next call most likely has the same profile, and then finds
@@ -234,20 +214,13 @@ class Spawner:
         anything else, each call wrote the memory limits twice more (v1: four writes,
         memory and memory+swap, there and back; 5% of the server's CPU, profiled)."""
         self._reap()
-        key = ahead.key() if ahead is not None else None
-        stale = self._ahead is None or self._ahead.key != key
-        if ahead is not None and key is not None and stale:
-            if self._ahead is not None:
-                self._end(self._ahead)
-            ready = next((s for s in self._plain if s.ready), None)
-            if ready is not None:
-                self._plain.remove(ready)
-                ready.enter_ahead(ahead.copy(), key)
-                self._ahead = ready
-            else:
-                self._ahead = self._new(max_procs, memory_max, ahead)
         while len(self._plain) < PLAIN_SPARES:
             self._plain.append(self._new(max_procs, memory_max))
+        key = ahead.key() if ahead is not None else None
+        if key is not None and (self._ahead is None or self._ahead.key != key):
+            if self._ahead is not None:
+                self._end(self._ahead)
+            self._ahead = self._new(max_procs, memory_max, ahead)
 
     def take_spare(self, key: tuple[object, ...] | None = None) -> Spare | None:
         """The spare that entered the sandbox ``key`` ahead if it is ready; else a plain
