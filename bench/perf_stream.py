@@ -110,38 +110,28 @@ def lat(clock: Clock, got: dict[str, float]) -> list[float]:
     return [got[tok] - t for tok, t in clock.sent.items() if tok in got]
 
 
-def token_direct(clock: Clock, srv: ReplayServer) -> list[float]:
+def read_direct(url: str) -> list[tuple[bytes, float]]:
+    """A streamed reply read straight off the replay server: each read and when."""
     chunks: list[tuple[bytes, float]] = []
     body = {"model": "replay", "stream": True, "messages": [{"role": "user", "content": "x"}]}
-    with (
-        httpx.Client() as client,
-        client.stream("POST", srv.url + "/chat/completions", json=body) as r,
-    ):
+    with httpx.Client() as client, client.stream("POST", url, json=body) as r:
         for data in r.iter_raw():
             chunks.append((data, time.monotonic()))
-    return lat(clock, receive_times(chunks))
+    return chunks
 
 
-# The reference a user would compare with: their own client process reading the model's
-# stream directly. (In the bench's own process, as `token_direct`, it has no process hop at
-# all: the replay server is a thread here, and a thread wakes another in ~20 us.)
-_DIRECT_CLIENT = r"""
-import sys, time
-import httpx, msgspec
-body = {"model": "replay", "stream": True, "messages": [{"role": "user", "content": "x"}]}
-chunks = []
-with httpx.Client() as client, client.stream("POST", sys.argv[1], json=body) as r:
-    for data in r.iter_raw():
-        chunks.append((data, time.monotonic()))
-sys.stdout.buffer.write(msgspec.msgpack.encode(chunks))
-"""
+def token_direct(clock: Clock, srv: ReplayServer) -> list[float]:
+    """In the bench's own process: no process hop at all (the replay server is a thread
+    here, and a thread wakes another in ~20 us)."""
+    return lat(clock, receive_times(read_direct(srv.url + "/chat/completions")))
 
 
 def token_direct_process(clock: Clock, srv: ReplayServer) -> list[float]:
-    """`token_direct` from a client process of its own (CLOCK_MONOTONIC is one clock
-    for every process)."""
+    """The reference a user would compare with: their own client process reading the
+    stream directly (`read_direct`, run as ``perf_stream.py --read-direct URL``;
+    CLOCK_MONOTONIC is one clock for every process)."""
     out = subprocess.run(
-        [sys.executable, "-c", _DIRECT_CLIENT, srv.url + "/chat/completions"],
+        [sys.executable, __file__, "--read-direct", srv.url + "/chat/completions"],
         capture_output=True,
         check=True,
     ).stdout
@@ -732,6 +722,9 @@ def overhead(base: Path, srv: ReplayServer) -> list[Row]:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--read-direct"]:  # (`token_direct_process`'s client)
+        sys.stdout.buffer.write(msgspec.msgpack.encode(read_direct(sys.argv[2])))
+        return 0
     print(table(rows()))
     return 0
 

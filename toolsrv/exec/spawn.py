@@ -227,10 +227,10 @@ class Spawner:
         one that is (the call enters there: ~0.2 ms, against a join that may have
         milliseconds to go); else whichever will be ready first, the one made for
         ``key`` before a plain one."""
-        ahead = self._ahead if key is not None and self._ahead is not None else None
-        if ahead is not None and ahead.key != key:
+        ahead = self._ahead
+        if key is None or ahead is None or ahead.key != key:
             ahead = None
-        if ahead is not None and ahead.ready:
+        elif ahead.ready:
             self._ahead = None
             return ahead
         for i, plain in enumerate(self._plain):
