@@ -274,6 +274,13 @@ class Prepared:
     ``ruleset_fd`` is None when the profile runs unsandboxed; ``mounts`` is None without
     mount namespaces (or unsandboxed); ``netns_fd`` (not owned) is the shared empty network
     namespace to join, None with network or where there is none; ``seccomp`` the filter.
+
+    The ruleset and the mount namespace are the call's own descriptors, duplicates of
+    the ones a cache keeps (`RulesetCache`, `namespaces.MountNsCache`): a cache closes
+    its descriptors when it drops an entry (the least recently used; every kept
+    namespace when the host's mount table changes), which can happen while the call
+    waits for its spawn, and the number of a closed descriptor may be given to another
+    ruleset or namespace the moment after.
     """
 
     ruleset_fd: int | None
@@ -281,13 +288,12 @@ class Prepared:
     netns_fd: int | None = None
     seccomp: seccomp.Loaded | None = None
     network: bool = False
-    mount_ns_fd: int | None = None  # a kept namespace made to ``mounts`` (not owned)
+    mount_ns_fd: int | None = None  # (a duplicate of) a kept namespace made to ``mounts``
     keep_ns: bool = False  # `enter` keeps the namespace it makes, in ``built_ns_fd``
     built_ns_fd: int | None = None  # owned until taken (see `take_built_ns`)
-    owns_ruleset: bool = True  # False: the fd belongs to a `RulesetCache`
-    ruleset_key: tuple[object, ...] | None = None  # its key there, when it is kept
+    ruleset_key: tuple[object, ...] | None = None  # its key in a `RulesetCache`, if kept
     ns_serial: int | None = None  # which kept namespace ``mount_ns_fd`` is
-    owns_ns_fds: bool = False  # ``mount_ns_fd`` and ``netns_fd`` are ours (`copy`)
+    owns_netns: bool = False  # ``netns_fd`` is ours (`copy`)
     ids: namespaces.Ids = field(default_factory=dict)  # identities seen preparing it
     overlay: Overlay | None = None  # checkpoints: the overlay over the cwd (toolsrv.checkpoint)
 
@@ -301,21 +307,27 @@ class Prepared:
         fd, self.built_ns_fd = self.built_ns_fd, None
         return fd
 
+    def join_kept_ns(self, fd: int | None, serial: int | None) -> None:
+        """Join (at `enter`) the kept namespace ``fd`` (a cache's: duplicated here), or
+        none (None); ``serial`` tells which kept namespace it is."""
+        mine = None if fd is None else os.dup(fd)
+        if self.mount_ns_fd is not None:
+            os.close(self.mount_ns_fd)
+        self.mount_ns_fd, self.ns_serial = mine, serial
+
     def close(self) -> None:
-        """Release the ruleset fd (the restricted processes keep their domain)."""
+        """Release the descriptors (the restricted processes keep their domain)."""
         if self.ruleset_fd is not None:
-            if self.owns_ruleset:
-                os.close(self.ruleset_fd)
+            os.close(self.ruleset_fd)
             self.ruleset_fd = None
-        if self.built_ns_fd is not None:
-            os.close(self.built_ns_fd)
-            self.built_ns_fd = None
-        if self.owns_ns_fds:
-            for fd in (self.mount_ns_fd, self.netns_fd):
-                if fd is not None:
-                    os.close(fd)
-            self.mount_ns_fd = self.netns_fd = None
-            self.owns_ns_fds = False
+        for fd in (self.built_ns_fd, self.mount_ns_fd):
+            if fd is not None:
+                os.close(fd)
+        self.built_ns_fd = self.mount_ns_fd = None
+        if self.owns_netns and self.netns_fd is not None:
+            os.close(self.netns_fd)
+        self.netns_fd = None
+        self.owns_netns = False
 
     def key(self) -> tuple[object, ...] | None:
         """What `enter` applies, as a value to compare: two calls whose keys are equal get
@@ -326,7 +338,7 @@ class Prepared:
         A spawning thread can then enter a call's sandbox ahead of the call
         (`toolsrv.exec.spawn.Spawner.prestart`), for the next call like it.
         """
-        if self.ruleset_fd is not None and (self.owns_ruleset or self.ruleset_key is None):
+        if self.ruleset_fd is not None and self.ruleset_key is None:
             return None
         if self.overlay is not None:  # (one call's own upper dir)
             return None
@@ -355,8 +367,7 @@ class Prepared:
             self.seccomp,
             self.network,
             mount_ns_fd=dup(self.mount_ns_fd),
-            owns_ruleset=True,
-            owns_ns_fds=True,
+            owns_netns=True,
         )
 
     def enter(self, *, bounding_dropped: bool = False) -> None:
@@ -647,20 +658,16 @@ def prepare(
     kept = rulesets.get(key) if rulesets is not None and key is not None else None
     if kept is not None:
         return Prepared(
-            kept,
-            mounts,
-            netns,
-            filt,
-            profile.network,
-            owns_ruleset=False,
-            ruleset_key=key,
-            ids=ids,
+            os.dup(kept), mounts, netns, filt, profile.network, ruleset_key=key, ids=ids
         )
     fd = _build_ruleset(abi, profile.network, roots, tops)
     prepared = Prepared(fd, mounts, netns, filt, profile.network, ids=ids)
     if key is not None and rulesets is not None:
-        rulesets.put(key, fd)
-        prepared.owns_ruleset = False
+        try:
+            rulesets.put(key, os.dup(fd))
+        except BaseException:
+            prepared.close()
+            raise
         prepared.ruleset_key = key
     return prepared
 

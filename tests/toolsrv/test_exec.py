@@ -28,8 +28,9 @@ import pytest
 import trio
 
 from olliefs.testing import await_until, expect_log
-from toolsrv import sandbox
+from toolsrv import namespaces, sandbox
 from toolsrv.exec import ExecResult, Executor, cgroup, spawn
+from toolsrv.exec.run import _MountNs
 from toolsrv.exec.spawn import Spare, Spawner
 from toolsrv.sandbox import Profile, SandboxError
 from toolsrv.server import render_result
@@ -933,6 +934,93 @@ async def joined(b: Box) -> None:
         if cache.hits > before:
             return
     raise AssertionError(f"no call joined a kept namespace in {MAX_TRIES} tries")
+
+
+def _fd_target(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+@needs_mount_ns
+def test_a_call_keeps_its_namespace_when_the_cache_drops_it(exec_box: Box) -> None:
+    """A call joins a kept namespace through a descriptor of its own: the cache closes
+    its descriptors when the host's mount table changes (or when it drops the least
+    recently used), maybe while the call waits for its spawn, and the number is given
+    to the next descriptor opened (here /dev/null; in toolsrv, maybe another call's
+    namespace). Before, the call held the cache's number (CI: a spare's copy of the
+    call's sandbox failed with EBADF under concurrent calls)."""
+    b = exec_box
+    cache = namespaces.MountNsCache()
+    made = sandbox.prepare(DEFAULT, [str(b.cwd)], netns_fd=netns_of(b))
+    prepared = sandbox.prepare(DEFAULT, [str(b.cwd)], netns_fd=netns_of(b))
+    try:
+        assert made.mounts is not None
+        key = cache.key(made.mounts, made.ids)
+        cache.put(key, os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC), cache.pin(key))
+        ns = _MountNs(cache, prepared)
+        assert cache.hits == 1 and prepared.mount_ns_fd is not None
+        cache.clear()  # what a mount anywhere on the host makes it do
+        with open(os.devnull, "rb") as reuse:
+            assert _fd_target(prepared.mount_ns_fd).startswith("mnt:"), reuse.fileno()
+            copy = prepared.copy()  # (the spare for the next call)
+            assert copy.mount_ns_fd is not None
+            assert _fd_target(copy.mount_ns_fd).startswith("mnt:")
+            copy.close()
+        ns.close()
+    finally:
+        prepared.close()
+        made.close()
+        cache.close()
+
+
+@needs_landlock
+@needs_mount_ns
+def test_a_call_keeps_its_ruleset_when_the_cache_drops_it(exec_box: Box) -> None:
+    """The same for a kept Landlock ruleset: a cache of one drops the first ruleset for
+    the second, and the call that got the first still holds a ruleset (not a closed
+    number, nor /dev/null opened after it)."""
+    b = exec_box
+    other = b.cwd / "other"
+    other.mkdir()
+    rulesets = sandbox.RulesetCache(size=1)
+    netns = netns_of(b)
+    first = sandbox.prepare(DEFAULT, [str(b.cwd)], netns_fd=netns, rulesets=rulesets)
+    second = sandbox.prepare(DEFAULT, [str(other)], netns_fd=netns, rulesets=rulesets)
+    try:
+        assert first.ruleset_fd is not None and first.ruleset_key is not None  # was kept
+        with open(os.devnull, "rb"):
+            assert "landlock" in _fd_target(first.ruleset_fd)
+    finally:
+        first.close()
+        second.close()
+        rulesets.close()
+
+
+def test_a_spare_that_cannot_be_made_fails_no_call() -> None:
+    """Spares only save the next call time: one that cannot be made (here the sandbox
+    to enter ahead has a closed descriptor) is logged and left out, and the one it was
+    to replace is ended once (before, it stayed the spawner's, and the next call's
+    `prestart` ended it again: "release unlocked lock", a call failed)."""
+    spawner = Spawner(None)
+    closed = os.open(os.devnull, os.O_RDONLY)
+    os.close(closed)
+    good = sandbox.Prepared(None)
+    bad = sandbox.Prepared(None, netns_fd=closed)
+
+    def ahead() -> Spare | None:
+        return spawner._ahead
+
+    try:
+        spawner.prestart(8, good)
+        kept = ahead()
+        assert kept is not None and kept.key == good.key()
+        spawner.prestart(8, bad)  # raised EBADF
+        assert ahead() is None and kept.join(30)
+        spawner.prestart(8, bad)  # raised "release unlocked lock"
+        spawner.prestart(8, good)
+        now = ahead()
+        assert now is not None and now.key == good.key()
+    finally:
+        spawner.close()
 
 
 @needs_mount_ns

@@ -513,8 +513,7 @@ class _MountNs:
 
     def _join(self) -> None:
         assert self.cache is not None
-        self.prepared.mount_ns_fd = self.cache.get(self.key)
-        self.prepared.ns_serial = self.cache.serial(self.key)
+        self.prepared.join_kept_ns(self.cache.get(self.key), self.cache.serial(self.key))
 
     def keep(self) -> None:
         """After the spawn: keep the namespace it made (with the pins). The next call like

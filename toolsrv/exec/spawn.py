@@ -214,13 +214,18 @@ class Spawner:
         anything else, each call wrote the memory limits twice more (v1: four writes,
         memory and memory+swap, there and back; 5% of the server's CPU, profiled)."""
         self._reap()
-        while len(self._plain) < PLAIN_SPARES:
-            self._plain.append(self._new(max_procs, memory_max))
-        key = ahead.key() if ahead is not None else None
-        if key is not None and (self._ahead is None or self._ahead.key != key):
-            if self._ahead is not None:
-                self._end(self._ahead)
-            self._ahead = self._new(max_procs, memory_max, ahead)
+        try:
+            while len(self._plain) < PLAIN_SPARES:
+                self._plain.append(self._new(max_procs, memory_max))
+            key = ahead.key() if ahead is not None else None
+            if key is not None and (self._ahead is None or self._ahead.key != key):
+                old, self._ahead = self._ahead, None  # (ended once, whatever follows)
+                if old is not None:
+                    self._end(old)
+                self._ahead = self._new(max_procs, memory_max, ahead)
+        except (OSError, RuntimeError) as err:
+            # Spares only save the next call some time: it makes its own thread instead.
+            log.info("no spare spawning thread for the next call: %s", err)
 
     def take_spare(self, key: tuple[object, ...] | None = None) -> Spare | None:
         """The spare that entered the sandbox ``key`` ahead if it is ready; else a plain
